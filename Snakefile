@@ -1,0 +1,29 @@
+# EAGLE-3 drafter pipeline. Run `snakemake -n` first: it prints the disk plan and the job table.
+import os
+import sys
+from pathlib import Path
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+# The library lives in src/; make it importable here and in every job (scripts inherit the environment).
+SRC = str(Path(workflow.basedir) / "src")
+sys.path.insert(0, SRC)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/data.smk"
+
+
+rule all:
+    input:
+        DRAFT_VOCAB,

@@ -1,0 +1,47 @@
+# Data stage: raw conversations -> normalized shards -> token shards -> draft vocabulary.
+
+
+rule ingest:
+    input:
+        SETTINGS.data_inputs,
+    output:
+        shards=expand(CONVERSATION_SHARD, shard=SHARDS),
+        eval=EVAL_CONVERSATIONS,
+        report=INGEST_REPORT,
+    params:
+        data=config["data"],
+    log:
+        f"{LOGS}/ingest.log",
+    script:
+        "../scripts/ingest.py"
+
+
+rule tokenize:
+    input:
+        conversations=CONVERSATION_SHARD,
+        target=TARGET_DIR,
+    output:
+        directory(TOKEN_SHARD),
+    params:
+        data=config["data"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    log:
+        f"{LOGS}/tokenize/shard-{{shard}}.log",
+    script:
+        "../scripts/tokenize.py"
+
+
+rule vocab:
+    input:
+        shards=expand(TOKEN_SHARD, shard=SHARDS),
+        target=TARGET_DIR,
+        ingest_report=INGEST_REPORT,
+    output:
+        vocab=DRAFT_VOCAB,
+        stats=VOCAB_STATS,
+    params:
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+    log:
+        f"{LOGS}/vocab.log",
+    script:
+        "../scripts/vocab.py"

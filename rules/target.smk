@@ -1,0 +1,17 @@
+# Materialise the target once as a plain HF directory (config, tokenizer, safetensors).
+
+
+rule target:
+    output:
+        directory(TARGET_DIR),
+    params:
+        source=config["target"]["source"],
+        gguf_file=config["target"].get("gguf_file"),
+        revision=config["target"].get("revision"),
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    log:
+        f"{LOGS}/target.log",
+    resources:
+        mem_mb=4000,
+    script:
+        "../scripts/target.py"

@@ -1,0 +1,337 @@
+"""Conversation ingest: raw JSON/JSONL in ShareGPT or OpenAI shape -> normalized JSONL.
+
+The normalized format (defined here and only here) is one JSON object per line:
+    {"id": str, "source": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+
+Every dropped record is counted under a reason and the first few of each reason are kept as examples
+(file, record index, byte offset, why), so a user can find them. Truncated files keep every complete record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "assistant": "assistant", "model": "assistant",
+    "system": "system",
+}
+EXAMPLES_PER_REASON = 5
+
+
+class IngestError(ValueError):
+    """A whole input cannot be read (not a single bad record)."""
+
+
+@dataclass
+class DropReport:
+    """Counts of what was read, kept, changed and dropped, by reason, with a few examples each."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dropped: Counter = field(default_factory=Counter)
+    modified: Counter = field(default_factory=Counter)
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    read: int = 0
+    kept: int = 0
+
+    def drop(self, reason: str, source: str, index: int, detail: str, offset: int | None = None) -> None:
+        self.dropped[reason] += 1
+        self._example(reason, source, index, detail, offset)
+
+    def modify(self, what: str, source: str, index: int, detail: str) -> None:
+        self.modified[what] += 1
+        self._example(what, source, index, detail, None)
+
+    def _example(self, reason: str, source: str, index: int, detail: str, offset: int | None) -> None:
+        bucket = self.examples.setdefault(reason, [])
+        if len(bucket) < EXAMPLES_PER_REASON:
+            example = {"file": source, "record": index, "reason": detail}
+            if offset is not None:
+                example["byte_offset"] = offset
+            bucket.append(example)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "records_read": self.read,
+            "conversations_kept": self.kept,
+            "dropped_total": sum(self.dropped.values()),
+            "dropped": dict(sorted(self.dropped.items())),
+            "modified": dict(sorted(self.modified.items())),
+            "files": self.files,
+            "examples": self.examples,
+        }
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"read {self.read} records, kept {self.kept} conversations, "
+                 f"dropped {sum(self.dropped.values())}"]
+        lines += [f"  dropped {count:>7} {reason}" for reason, count in sorted(self.dropped.items())]
+        lines += [f"  changed {count:>7} {what}" for what, count in sorted(self.modified.items())]
+        for name, info in self.files.items():
+            if info.get("truncated"):
+                lines.append(f"  {name}: truncated at byte {info['truncated_at_byte']} "
+                             f"after {info['records']} complete records ({info['truncation_detail']})")
+        return lines
+
+
+@dataclass
+class RawRecord:
+    source: str
+    index: int
+    offset: int
+    value: Any = None
+    error: str | None = None  # set when the record could not be decoded at all
+    reason: str = "malformed_json"
+
+
+# ---------------------------------------------------------------- reading raw records
+
+def iter_raw_records(path: Path, report: DropReport) -> Iterator[RawRecord]:
+    """Yield records from a JSON array or JSONL file, recovering from truncation and bad lines."""
+    data = path.read_bytes()
+    head = data.lstrip()[:1]
+    if head == b"[":
+        yield from _iter_json_array(path, data, report)
+    elif head == b"{":
+        yield from _iter_jsonl(path, data, report)
+    elif not head:
+        raise IngestError(f"{path}: file is empty")
+    else:
+        raise IngestError(f"{path}: neither a JSON array nor JSON lines (starts with {head!r})")
+
+
+def _iter_jsonl(path: Path, data: bytes, report: DropReport) -> Iterator[RawRecord]:
+    info = report.files.setdefault(str(path), {"format": "jsonl", "records": 0, "truncated": False})
+    offset = 0
+    index = 0
+    lines = data.split(b"\n")
+    for line_number, line in enumerate(lines, start=1):
+        start = offset
+        offset += len(line) + 1
+        if not line.strip():
+            continue
+        record = RawRecord(str(path), index, start)
+        index += 1
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            record.error, record.reason = f"line {line_number}: not valid UTF-8 ({exc.reason})", "invalid_utf8"
+            yield record
+            continue
+        try:
+            record.value = json.loads(text)
+            info["records"] += 1
+        except json.JSONDecodeError as exc:
+            is_last = line_number >= len(lines) - 1 and not data.endswith(b"\n")
+            record.error = f"line {line_number}: {exc.msg} at column {exc.colno}"
+            if is_last:
+                info.update(truncated=True, truncated_at_byte=start, truncation_detail=record.error)
+                record.reason = "truncated_record"
+        yield record
+
+
+def _iter_json_array(path: Path, data: bytes, report: DropReport) -> Iterator[RawRecord]:
+    info = report.files.setdefault(str(path), {"format": "json-array", "records": 0, "truncated": False})
+    # surrogateescape keeps undecodable bytes visible per record instead of failing the whole file.
+    text = data.decode("utf-8", errors="surrogateescape")
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    record_prefix = _record_prefix(text, position)
+    offsets = _ByteOffsets(text)
+    index = 0
+    while True:
+        position = _skip_whitespace(text, position)
+        if position >= len(text):
+            info.update(truncated=True, truncated_at_byte=offsets.at(position),
+                        truncation_detail="file ends before the closing ']'")
+            return
+        if text[position] == "]":
+            return
+        if text[position] == "," and index > 0:
+            position = _skip_whitespace(text, position + 1)
+        record = RawRecord(str(path), index, offsets.at(position))
+        index += 1
+        try:
+            record.value, position = decoder.raw_decode(text, position)
+            info["records"] += 1
+            yield record
+            continue
+        except json.JSONDecodeError as exc:
+            record.error = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+        resume = text.find(record_prefix, position + 1) if record_prefix else -1
+        if resume < 0:
+            info.update(truncated=True, truncated_at_byte=record.offset, truncation_detail=record.error)
+            record.reason = "truncated_record"
+            yield record
+            return
+        yield record
+        position = resume + 1  # just after the ',' that precedes the next record
+
+
+class _ByteOffsets:
+    """Character position -> byte offset for increasing positions, in linear total time."""
+
+    def __init__(self, text: str):
+        self.text, self.char, self.byte = text, 0, 0
+
+    def at(self, position: int) -> int:
+        self.byte += len(self.text[self.char:position].encode("utf-8", errors="surrogateescape"))
+        self.char = position
+        return self.byte
+
+
+def _record_prefix(text: str, position: int) -> str | None:
+    """The text that separates records in a pretty-printed array (',\\n  {'), used to resynchronise."""
+    start = _skip_whitespace(text, position)
+    indent = text[position:start]
+    return ("," + indent + "{") if "\n" in indent else None
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+# ---------------------------------------------------------------- normalising one record
+
+def _has_surrogates(value: str) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for ch in value)
+
+
+def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | None:
+    """Return the normalized conversation, or None after counting why it was dropped."""
+    where = (record.source, record.index)
+    if record.error is not None:
+        report.drop(record.reason, *where, record.error, record.offset)
+        return None
+    value = record.value
+    if not isinstance(value, dict):
+        report.drop("malformed_record", *where, f"record is a {type(value).__name__}, not an object",
+                    record.offset)
+        return None
+    turns = value.get("conversations", value.get("messages"))
+    if turns is None:
+        report.drop("malformed_record", *where, "no 'conversations' or 'messages' field", record.offset)
+        return None
+    if not isinstance(turns, list):
+        report.drop("malformed_record", *where, "'conversations'/'messages' is not a list", record.offset)
+        return None
+    if not turns:
+        report.drop("empty_conversation", *where, "no turns", record.offset)
+        return None
+    messages = []
+    for turn_index, turn in enumerate(turns):
+        message, problem = _normalize_turn(turn)
+        if problem:
+            reason, detail = problem
+            report.drop(reason, *where, f"turn {turn_index}: {detail}", record.offset)
+            return None
+        messages.append(message)
+    messages = _trim(messages, report, *where)
+    roles = {m["role"] for m in messages}
+    if "assistant" not in roles:
+        report.drop("no_assistant_turn", *where, "no assistant reply with content", record.offset)
+        return None
+    if "user" not in roles:
+        report.drop("no_user_turn", *where, "only assistant/system turns", record.offset)
+        return None
+    record_id = value.get("id")
+    record_id = str(record_id) if record_id not in (None, "") else f"{Path(record.source).name}:{record.index}"
+    return {"id": record_id, "source": Path(record.source).name, "messages": messages}
+
+
+def _normalize_turn(turn: Any) -> tuple[dict[str, str] | None, tuple[str, str] | None]:
+    if not isinstance(turn, dict):
+        return None, ("malformed_record", f"turn is a {type(turn).__name__}, not an object")
+    raw_role = turn.get("from", turn.get("role"))
+    content = turn.get("value", turn.get("content"))
+    if not isinstance(raw_role, str):
+        return None, ("malformed_record", "turn has no 'from'/'role'")
+    role = ROLE_MAP.get(raw_role.strip().lower())
+    if role is None:
+        return None, ("unknown_role", f"unknown role {raw_role!r}")
+    if not isinstance(content, str):
+        return None, ("non_string_content", f"content is {type(content).__name__}, not a string")
+    if _has_surrogates(content):
+        return None, ("invalid_utf8", "content holds bytes that are not valid UTF-8")
+    return {"role": role, "content": content}, None
+
+
+def _trim(messages: list[dict[str, str]], report: DropReport, source: str, index: int) -> list[dict[str, str]]:
+    """Cut at the first empty turn, drop leading assistant turns and trailing user turns."""
+    for position, message in enumerate(messages):
+        if not message["content"].strip():
+            report.modify("cut_at_empty_turn", source, index, f"turn {position} is empty")
+            messages = messages[:position]
+            break
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system):]
+    leading = 0
+    while leading < len(rest) and rest[leading]["role"] == "assistant":
+        leading += 1
+    if leading and leading < len(rest):
+        report.modify("leading_assistant_turns_removed", source, index, f"{leading} turn(s)")
+        rest = rest[leading:]
+    while rest and rest[-1]["role"] != "assistant":
+        rest = rest[:-1]
+    return system + rest
+
+
+# ---------------------------------------------------------------- the whole stage
+
+def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
+    """Read every input; return kept conversations in input order and the report."""
+    report = DropReport()
+    kept: list[dict[str, Any]] = []
+    seen_ids: set[str] = set()
+    for path in paths:
+        if not path.is_file():
+            raise IngestError(f"{path}: input file does not exist")
+        for record in iter_raw_records(path, report):
+            report.read += 1
+            conversation = normalize_record(record, report)
+            if conversation is None:
+                continue
+            if conversation["id"] in seen_ids:
+                report.drop("duplicate_id", record.source, record.index, f"id {conversation['id']!r} seen before")
+                continue
+            seen_ids.add(conversation["id"])
+            kept.append(conversation)
+    report.kept = len(kept)
+    return kept, report
+
+
+def split(conversations: list[dict[str, Any]], num_shards: int, eval_count: int, train_count: int | None,
+          seed: int) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Deterministic seeded split into a held-out eval set and `num_shards` near-equal training shards."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    eval_ids, train_ids = order[:eval_count], order[eval_count:]
+    if train_count is not None:
+        train_ids = train_ids[:train_count]
+    if len(train_ids) < num_shards:
+        raise IngestError(f"only {len(train_ids)} training conversations for {num_shards} shards")
+    shards = [[conversations[i] for i in train_ids[s::num_shards]] for s in range(num_shards)]
+    return shards, [conversations[i] for i in eval_ids]
+
+
+def write_jsonl(conversations: list[dict[str, Any]], path: Path) -> None:
+    """Write atomically: a killed job never leaves a half-written file under the final name."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        for conversation in conversations:
+            handle.write(json.dumps(conversation, ensure_ascii=False) + "\n")
+    os.replace(partial, path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

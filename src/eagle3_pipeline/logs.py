@@ -1,0 +1,67 @@
+"""Logging for rule scripts: everything (including warnings and tracebacks) lands in the rule's log."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def setup(log_path: str | Path | None, name: str = "eagle3") -> logging.Logger:
+    """Log to the Snakemake `log:` file and to stderr; route Python warnings there too."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+    logging.captureWarnings(True)
+    return logging.getLogger(name)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+    """Periodic 'done/total, tokens/s, ETA' lines for long loops; cheap to call every iteration."""
+
+    def __init__(self, log: logging.Logger, what: str, total_items: int, total_tokens: int | None = None,
+                 every_seconds: float = 10.0):
+        self.log, self.what = log, what
+        self.total_items, self.total_tokens = total_items, total_tokens
+        self.every = every_seconds
+        self.items = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+
+    def update(self, items: int, tokens: int = 0, force: bool = False) -> None:
+        self.items += items
+        self.tokens += tokens
+        now = time.perf_counter()
+        if force or now - self.last >= self.every:
+            self.last = now
+            self.log.info(self.line(now))
+
+    def line(self, now: float | None = None) -> str:
+        elapsed = max((now or time.perf_counter()) - self.start, 1e-9)
+        rate = self.tokens / elapsed
+        if self.total_tokens and self.tokens:
+            fraction = self.tokens / self.total_tokens
+        else:
+            fraction = self.items / max(self.total_items, 1)
+        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+        eta_text = format_seconds(eta) if eta == eta else "?"
+        return (f"{self.what}: {self.items}/{self.total_items} ({100 * fraction:.1f}%), "
+                f"{self.tokens} tokens, {rate:,.0f} tokens/s, elapsed {format_seconds(elapsed)}, ETA {eta_text}")
+
+    def finish(self) -> float:
+        elapsed = time.perf_counter() - self.start
+        self.log.info(self.line() + " - done")
+        return elapsed

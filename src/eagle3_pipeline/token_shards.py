@@ -1,0 +1,115 @@
+"""The token shard format: `tokens/shard-{i:05d}.zarr` (zarr v3 group).
+
+Arrays (token-major, concatenated over sequences):
+    input_ids   int32  [N_tok]
+    loss_mask   uint8  [N_tok]   1 on assistant-produced tokens
+    seq_offsets int64  [N+1]     sequence j is input_ids[seq_offsets[j]:seq_offsets[j+1]]
+    sample_ids  string [N]
+Attrs: format, schema_version, complete (written last), num_sequences, num_tokens, num_loss_tokens,
+template_hash, target_hash, max_seq_len, and the tokenize stage's counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from . import zarr_io
+from .tokenization import TokenizedConversation
+
+FORMAT = "eagle3-token-shard"
+SCHEMA_VERSION = 1
+
+
+class InvalidTokenShard(ValueError):
+    pass
+
+
+@dataclass
+class TokenShard:
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    seq_offsets: np.ndarray
+    sample_ids: list[str]
+    attrs: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def sequence(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = self.seq_offsets[j], self.seq_offsets[j + 1]
+        return self.input_ids[start:end], self.loss_mask[start:end]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.seq_offsets)
+
+
+def write(path: Path, sequences: list[TokenizedConversation], attrs: dict[str, Any]) -> None:
+    """Build the shard in a `.partial` sibling and rename it into place when complete."""
+    partial = zarr_io.start_partial(path)
+    lengths = np.asarray([len(s.input_ids) for s in sequences], dtype=np.int64)
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    input_ids = np.concatenate([s.input_ids for s in sequences]) if sequences else np.zeros(0, np.int32)
+    loss_mask = np.concatenate([s.loss_mask for s in sequences]) if sequences else np.zeros(0, np.uint8)
+    group = zarr.open_group(str(partial), mode="w")
+    zarr_io.write_array(group, "input_ids", input_ids.astype(np.int32))
+    zarr_io.write_array(group, "loss_mask", loss_mask.astype(np.uint8))
+    zarr_io.write_array(group, "seq_offsets", offsets)
+    zarr_io.write_strings(group, "sample_ids", [s.sample_id for s in sequences])
+    group.attrs.update({
+        **attrs,
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "num_sequences": len(sequences),
+        "num_tokens": int(offsets[-1]),
+        "num_loss_tokens": int(loss_mask.sum()),
+    })
+    group.attrs["complete"] = True  # last: a store without it was interrupted
+    zarr_io.commit(partial, path)
+
+
+def read(path: Path) -> TokenShard:
+    validate(path)
+    group = zarr_io.open_readonly(path)
+    return TokenShard(
+        input_ids=group["input_ids"][...],
+        loss_mask=group["loss_mask"][...],
+        seq_offsets=group["seq_offsets"][...],
+        sample_ids=[str(s) for s in group["sample_ids"][...]],
+        attrs=dict(group.attrs),
+    )
+
+
+def read_attrs(path: Path) -> dict[str, Any]:
+    return zarr_io.attrs(path)
+
+
+def validate(path: Path) -> dict[str, Any]:
+    if not Path(path).is_dir():
+        raise InvalidTokenShard(f"{path}: token shard does not exist")
+    try:
+        group = zarr_io.open_readonly(path)
+        attrs = dict(group.attrs)
+    except Exception as exc:
+        raise InvalidTokenShard(f"{path}: not a readable zarr group ({exc})") from exc
+    if attrs.get("format") != FORMAT or not attrs.get("complete"):
+        raise InvalidTokenShard(f"{path}: not a complete token shard (format={attrs.get('format')}, "
+                                f"complete={attrs.get('complete')})")
+    offsets = group["seq_offsets"][...]
+    problems = []
+    if len(offsets) != attrs["num_sequences"] + 1 or group["sample_ids"].shape[0] != attrs["num_sequences"]:
+        problems.append("sequence count disagrees with attrs")
+    if offsets[-1] != attrs["num_tokens"] or group["input_ids"].shape[0] != attrs["num_tokens"]:
+        problems.append("token count disagrees with attrs")
+    if group["loss_mask"].shape != group["input_ids"].shape:
+        problems.append("loss_mask and input_ids differ in length")
+    if np.any(np.diff(offsets) < 0):
+        problems.append("seq_offsets are not increasing")
+    if problems:
+        raise InvalidTokenShard(f"{path}: " + "; ".join(problems))
+    return attrs

@@ -1,0 +1,101 @@
+"""Chat-template tokenization with a template-agnostic assistant loss mask.
+
+The mask marks exactly the tokens the assistant produces: its reply text plus the end-of-turn token it
+emits. It is found without knowing the template: for the k-th message (an assistant turn) we render
+`messages[:k]` with the generation prompt and `messages[:k+1]` without it; the first is a prefix of the
+second and the difference is what the assistant wrote, followed by template glue. The glue after the
+end-of-turn marker (e.g. a newline) is cut. Tokens whose character span starts inside an assistant span
+get mask 1. Templates that rewrite earlier turns (the rendered prefix is not a prefix of the full text)
+are rejected per conversation with a counted reason rather than masked wrongly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be rendered or is not prefix-stable for this conversation."""
+
+
+@dataclass
+class TokenizedConversation:
+    sample_id: str
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    truncated: bool = False
+
+
+def end_of_turn_marker(tokenizer: Any, override: str | None = None) -> str | None:
+    """The string the assistant emits to end its turn: config override, else the tokenizer's EOS."""
+    return override or getattr(tokenizer, "eos_token", None)
+
+
+def template_hash(tokenizer: Any) -> str:
+    """Identity of everything that decides token ids: vocab, template, special tokens."""
+    digest = hashlib.sha256()
+    digest.update((tokenizer.chat_template or "").encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(tokenizer.all_special_tokens).encode())
+    return digest.hexdigest()[:16]
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja raises TemplateError, ValueError, ... depending on the template
+        raise TemplateError(f"chat template failed: {exc}") from exc
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], end_marker: str | None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return its text and the [start, end) character spans of assistant output."""
+    full = render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:k], add_generation_prompt=True)
+        through = render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if not through.startswith(before) or not full.startswith(through):
+            raise TemplateError(f"template is not prefix-stable at message {k}")
+        start, end = len(before), len(through)
+        content = message["content"]
+        content_at = full.find(content, start, end)
+        if content_at < 0:  # some templates trim the reply
+            content = content.strip()
+            content_at = full.find(content, start, end)
+        if content_at < 0:
+            raise TemplateError(f"assistant message {k} does not appear verbatim in the rendered text")
+        content_end = content_at + len(content)
+        if end_marker:
+            marker_at = full.find(end_marker, content_end, end)
+            end = marker_at + len(end_marker) if marker_at >= 0 else content_end
+        else:
+            end = content_end
+        spans.append((start, end))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer: Any, conversation: dict[str, Any], end_marker: str | None,
+                          max_seq_len: int, overlength: str) -> TokenizedConversation | None:
+    """Tokenize one normalized conversation. Returns None when `overlength == 'drop'` and it is too long."""
+    text, spans = assistant_spans(tokenizer, conversation["messages"], end_marker)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+    starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for start, end in spans:
+        mask[(starts >= start) & (starts < end)] = 1
+    truncated = len(ids) > max_seq_len
+    if truncated:
+        if overlength == "drop":
+            return None
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+    return TokenizedConversation(conversation["id"], ids, mask, truncated)
