@@ -13,7 +13,7 @@ sys.path.insert(0, SRC)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
 
 
-configfile: "config/config.yaml"
+configfile: str(Path(workflow.basedir) / "config" / "config.yaml")
 
 
 validate(config, "config/schema.yaml")
@@ -22,8 +22,10 @@ validate(config, "config/schema.yaml")
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/data.smk"
+include: "rules/extract.smk"
 
 
 rule all:
     input:
         DRAFT_VOCAB,
+        DISK_REPORT,

@@ -1,4 +1,7 @@
-# Paths, shard lists and parse-time checks shared by every stage.
+# Paths, shard lists, parse-time checks and the disk plan shared by every stage.
+from functools import cache
+
+from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import workflow_config
 
 SETTINGS = workflow_config.check(config)
@@ -14,7 +17,47 @@ INGEST_REPORT = f"{RESULTS}/conversations/ingest_report.json"
 TOKEN_SHARD = f"{RESULTS}/tokens/shard-{{shard}}.zarr"
 DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.safetensors"
 VOCAB_STATS = f"{RESULTS}/vocab/data_stats.json"
+HIDDEN_STORE = f"{RESULTS}/hidden/shard-{{shard}}.zarr"
+DISK_REPORT = f"{RESULTS}/reports/disk_plan_vs_actual.json"
 
 
 wildcard_constraints:
     shard=r"\d{5}",
+
+
+@cache
+def current_plan():
+    shape = disk_plan.target_shape(TARGET_DIR, SETTINGS.target_source)
+    return disk_plan.build(
+        SHARDS,
+        {"token_shard": TOKEN_SHARD, "conversation_shard": CONVERSATION_SHARD, "hidden_store": HIDDEN_STORE},
+        [Path(p) for p in SETTINGS.data_inputs],
+        config["data"],
+        shape[0] if shape else None,
+        config["plan"]["expected_compression"],
+        Path(config["results_dir"]),
+    )
+
+
+def hidden_store_mb(wildcards):
+    return max(1, current_plan().stages[-1].shard_bytes(wildcards.shard) // 1_000_000)
+
+
+def is_dry_run():
+    # workflow.dryrun is still False while the Snakefile is parsed; output_settings knows (internal API).
+    settings = getattr(workflow, "output_settings", None)
+    return bool(getattr(settings, "dryrun", False))
+
+
+if is_dry_run():
+    print("\n".join(current_plan().lines()), file=sys.stderr)
+
+
+onstart:
+    plan_now = current_plan()
+    print("\n".join(plan_now.lines()), file=sys.stderr)
+    if not plan_now.fits and not config["plan"]["allow_exceeding_free_space"]:
+        raise SystemExit(
+            "Refusing to start: the disk plan exceeds free space. Free space, lower data.train_conversations "
+            "or data.max_seq_len, or set plan.allow_exceeding_free_space: true."
+        )

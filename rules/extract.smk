@@ -1,0 +1,35 @@
+# Hidden-state extraction: one job per token shard, each writing one zarr store atomically.
+
+
+rule extract:
+    input:
+        tokens=TOKEN_SHARD,
+        target=TARGET_DIR,
+    output:
+        directory(HIDDEN_STORE),
+    params:
+        extract=config["extract"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=config["extract"]["gpus"],
+        disk_mb=hidden_store_mb,
+        mem_mb=8000,
+    log:
+        f"{LOGS}/extract/shard-{{shard}}.log",
+    script:
+        "../scripts/extract.py"
+
+
+rule disk_report:
+    input:
+        stores=expand(HIDDEN_STORE, shard=SHARDS),
+        tokens=expand(TOKEN_SHARD, shard=SHARDS),
+    output:
+        DISK_REPORT,
+    params:
+        compression=config["plan"]["expected_compression"],
+    log:
+        f"{LOGS}/disk_report.log",
+    script:
+        "../scripts/disk_report.py"

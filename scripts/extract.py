@@ -1,0 +1,26 @@
+"""Rule `extract`: run the target over one token shard and write its hidden-state store."""
+
+from pathlib import Path
+
+import torch
+
+from eagle3_pipeline import extract_stage, logs, target
+from eagle3_pipeline.backends.hf import HFBackend
+
+snakemake = globals()["snakemake"]
+log = logs.setup(snakemake.log[0])
+settings = snakemake.params.extract
+torch.set_num_threads(snakemake.threads)
+target_dir = Path(snakemake.input.target)
+backend = HFBackend.from_directory(target_dir, device=settings["device"], dtype=settings["dtype"],
+                                   aux_layer_ids=settings.get("aux_layer_ids"),
+                                   trust_remote_code=snakemake.params.trust_remote_code)
+identity = target.read_identity(target_dir)
+attrs = extract_stage.extract_shard(
+    backend, Path(snakemake.input.tokens), Path(snakemake.output[0]), settings["token_budget"],
+    settings["writer_threads"],
+    {"target_hash": identity["content_hash"], "target_revision": identity["source"].get("revision"),
+     "device": str(backend.device)},
+    log,
+)
+log.info("store complete: %d sequences, %d tokens", attrs["num_sequences"], attrs["num_tokens"])

@@ -1,0 +1,129 @@
+"""The extract job: one token shard -> one hidden-state store, resumable after a kill."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import hidden_store, token_shards
+from .backends import Backend
+from .logs import Progress
+
+
+class NonFiniteActivations(ValueError):
+    pass
+
+
+@dataclass
+class Batch:
+    sequences: list[int]  # indices into the store's (length-sorted) order
+    start_row: int
+    end_row: int
+
+
+def storage_order(lengths: np.ndarray) -> np.ndarray:
+    """Longest first (an out-of-memory shows up at once), ties by original index: deterministic."""
+    return np.lexsort((np.arange(len(lengths)), -lengths))
+
+
+def plan_batches(sorted_lengths: np.ndarray, token_budget: int) -> list[Batch]:
+    """Greedy batches of consecutive sequences whose padded size (count x longest) fits the budget."""
+    batches, current, longest, row = [], [], 0, 0
+    start_row = 0
+    for j, length in enumerate(sorted_lengths.tolist()):
+        if current and (len(current) + 1) * max(longest, length) > token_budget:
+            batches.append(Batch(current, start_row, row))
+            current, longest, start_row = [], 0, row
+        current.append(j)
+        longest = max(longest, length)
+        row += length
+    if current:
+        batches.append(Batch(current, start_row, row))
+    return batches
+
+
+def reorder(shard: token_shards.TokenShard, order: np.ndarray) -> dict[str, Any]:
+    lengths = shard.lengths()[order]
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    pieces = [shard.sequence(int(j)) for j in order]
+    return {
+        "input_ids": np.concatenate([ids for ids, _ in pieces]),
+        "loss_mask": np.concatenate([mask for _, mask in pieces]),
+        "seq_offsets": offsets,
+        "sample_ids": [shard.sample_ids[int(j)] for j in order],
+    }
+
+
+def check_finite(aux: torch.Tensor, last: torch.Tensor, batch: Batch, offsets: np.ndarray,
+                 sample_ids: list[str], shard_path: Path) -> None:
+    bad_rows = ~(torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1))
+    if not bad_rows.any():
+        return
+    first_bad = batch.start_row + int(torch.nonzero(bad_rows)[0])
+    j = int(np.searchsorted(offsets, first_bad, side="right") - 1)
+    raise NonFiniteActivations(
+        f"{shard_path}: NaN/Inf activations for sample {sample_ids[j]!r} (token {first_bad - offsets[j]}); "
+        "check the target's dtype (fp16 overflows are common) and the input")
+
+
+def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_budget: int,
+                  writer_threads: int, metadata: dict[str, Any], log: logging.Logger) -> dict[str, Any]:
+    shard = token_shards.read(token_shard_path)
+    order = storage_order(shard.lengths())
+    sequences = reorder(shard, order)
+    num_tokens = int(sequences["seq_offsets"][-1])
+    info = backend.info
+    store_metadata = {**metadata, **info.as_attrs(), "num_sequences": len(order),
+                      "template_hash": shard.attrs.get("template_hash"), "token_shard": token_shard_path.name}
+    writer = hidden_store.StoreWriter(output, num_tokens, info.hidden_size, store_metadata, sequences,
+                                      writer_threads)
+    batches = plan_batches(np.diff(sequences["seq_offsets"]), token_budget)
+    todo = [b for b in batches if b.end_row > writer.rows_written]
+    if writer.rows_written:
+        log.info("resuming %s: %d of %d rows already written; %d of %d batches left", output,
+                 writer.rows_written, num_tokens, len(todo), len(batches))
+    log.info("extracting %d sequences, %d tokens in %d batches (budget %d tokens), backend %s, aux layers %s",
+             len(order), num_tokens, len(batches), token_budget, info.name, list(info.aux_layer_ids))
+    progress = Progress(log, f"extract {token_shard_path.name}", len(todo),
+                        total_tokens=sum(b.end_row - b.start_row for b in todo))
+    in_flight = None
+    try:
+        for batch in todo:
+            ids = [sequences["input_ids"][sequences["seq_offsets"][j]:sequences["seq_offsets"][j + 1]]
+                   for j in batch.sequences]
+            result = _launch(backend, ids)
+            if in_flight is not None:
+                _drain(in_flight, writer, sequences, token_shard_path, progress)
+            in_flight = (batch, result)
+        if in_flight is not None:
+            _drain(in_flight, writer, sequences, token_shard_path, progress)
+    except BaseException:
+        writer.abort()
+        raise
+    progress.finish()
+    writer.finish({"batches": len(batches), "token_budget": token_budget})
+    return hidden_store.validate(output)
+
+
+def _launch(backend: Backend, ids: list[np.ndarray]):
+    if hasattr(backend, "extract_packed"):
+        return backend.extract_packed(ids)
+    states = backend.extract(ids)  # backends without async copies
+    return torch.cat([s.aux for s in states]), torch.cat([s.last for s in states]), None
+
+
+def _drain(in_flight, writer: hidden_store.StoreWriter, sequences: dict[str, Any], shard_path: Path,
+           progress: Progress) -> None:
+    batch, (aux, last, event) = in_flight
+    if event is not None:
+        event.synchronize()
+    check_finite(aux, last, batch, sequences["seq_offsets"], sequences["sample_ids"], shard_path)
+    skip = max(0, writer.buffer_start + writer.buffered - batch.start_row)  # rows already durable (resume)
+    writer.append(hidden_store.bf16_to_u16(aux[skip:]), hidden_store.bf16_to_u16(last[skip:]))
+    progress.update(1, batch.end_row - batch.start_row)

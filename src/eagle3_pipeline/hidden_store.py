@@ -1,0 +1,258 @@
+"""The hidden-state store format: `hidden/shard-{i:05d}.zarr` (zarr v3 group), one per token shard.
+
+Token-major and concatenated, in the store's own sequence order (longest first, the order extraction
+runs in, so rows arrive in storage order and every zarr shard is written exactly once):
+    aux_hidden_states  uint16 [N_tok, 3, H]  bf16 bits of the 3 aux layers' outputs
+    last_hidden_states uint16 [N_tok, H]     bf16 bits of the final hidden state AFTER the final norm
+    input_ids int32 [N_tok], loss_mask uint8 [N_tok], seq_offsets int64 [N+1], sample_ids string [N]
+zarr has no bf16: `torch.from_numpy(u16).view(torch.bfloat16)` recovers the values for free.
+Attrs: format, schema_version, complete (set last), counts, hidden_size, hidden_dtype, aux_layer_ids
+(HF indices), final_norm, target_hash, target_revision, backend, rows_per_shard, pipeline_version.
+
+Crash safety: the store is built in `<name>.partial`; `progress.json` there records how many rows are
+durably written (whole zarr shards only), so a killed job resumes where it stopped. The store is renamed
+into place after `complete` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from . import __version__, zarr_io
+
+FORMAT = "eagle3-hidden-store"
+SCHEMA_VERSION = 1
+PROGRESS_FILE = "progress.json"
+HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
+CHUNK_BYTES = 2 << 20  # ~2 MiB raw per chunk: small enough for random sequence reads
+SHARD_BYTES = 64 << 20  # ~64 MiB raw per zarr shard: a store is tens of files, not millions
+
+
+class InvalidStore(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    chunk_rows: int
+    rows_per_shard: int
+
+    @classmethod
+    def for_hidden_size(cls, hidden_size: int) -> Layout:
+        row_bytes = 4 * hidden_size * 2  # aux (3H) + last (H), bf16; the aux array sets the pace
+        chunk_rows = 2 ** max(0, round(math.log2(max(1, CHUNK_BYTES // (3 * hidden_size * 2)))))
+        chunks_per_shard = max(1, SHARD_BYTES // (chunk_rows * row_bytes))
+        return cls(chunk_rows, chunk_rows * chunks_per_shard)
+
+
+def bf16_to_u16(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.to(torch.bfloat16).contiguous().view(torch.uint16).numpy()
+
+
+def u16_to_bf16(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16)
+
+
+class StoreWriter:
+    """Streams rows (in storage order) into a partial store; writes only whole zarr shards, in parallel."""
+
+    def __init__(self, final: Path, num_tokens: int, hidden_size: int, metadata: dict[str, Any],
+                 sequences: dict[str, np.ndarray | list[str]], writer_threads: int = 4):
+        self.final, self.partial = final, zarr_io.partial_path(final)
+        self.num_tokens, self.hidden_size = num_tokens, hidden_size
+        self.layout = Layout.for_hidden_size(hidden_size)
+        self.metadata = metadata
+        self.rows_written = self._resume_point(sequences)
+        if self.rows_written == 0:
+            self._create(sequences)
+        self.group = zarr.open_group(str(self.partial), mode="r+")
+        self.arrays = {name: self.group[name] for name in HIDDEN_ARRAYS}
+        self.buffer_start = self.rows_written
+        self.buffers: dict[str, list[np.ndarray]] = {name: [] for name in HIDDEN_ARRAYS}
+        self.buffered = 0
+        self.writer_threads = writer_threads
+        self.pool = ThreadPoolExecutor(max_workers=writer_threads)
+        self.pending: list[tuple[int, Future]] = []
+
+    # -- set-up and resume
+    def _resume_point(self, sequences: dict[str, Any]) -> int:
+        progress_path = self.partial / PROGRESS_FILE
+        if not progress_path.is_file():
+            zarr_io.start_partial(self.final)
+            return 0
+        progress = json.loads(progress_path.read_text())
+        same = (progress.get("metadata") == _jsonable(self.metadata)
+                and progress.get("num_tokens") == self.num_tokens
+                and progress.get("layout") == [self.layout.chunk_rows, self.layout.rows_per_shard]
+                and np.array_equal(zarr.open_group(str(self.partial), mode="r")["input_ids"][...],
+                                   sequences["input_ids"]))
+        if not same:  # written by other code or other inputs: start over
+            zarr_io.start_partial(self.final)
+            return 0
+        return int(progress["rows_written"])
+
+    def _create(self, sequences: dict[str, Any]) -> None:
+        group = zarr.open_group(str(self.partial), mode="w")
+        chunk, shard = self.layout.chunk_rows, self.layout.rows_per_shard
+        codec = zarr_io.blosc(typesize=2)
+        group.create_array("aux_hidden_states", shape=(self.num_tokens, 3, self.hidden_size), dtype="uint16",
+                           chunks=(chunk, 3, self.hidden_size), shards=(shard, 3, self.hidden_size),
+                           compressors=codec)
+        group.create_array("last_hidden_states", shape=(self.num_tokens, self.hidden_size), dtype="uint16",
+                           chunks=(chunk, self.hidden_size), shards=(shard, self.hidden_size), compressors=codec)
+        zarr_io.write_array(group, "input_ids", sequences["input_ids"].astype(np.int32))
+        zarr_io.write_array(group, "loss_mask", sequences["loss_mask"].astype(np.uint8))
+        zarr_io.write_array(group, "seq_offsets", sequences["seq_offsets"].astype(np.int64))
+        zarr_io.write_strings(group, "sample_ids", list(sequences["sample_ids"]))
+        self._save_progress(0)
+
+    def _save_progress(self, rows: int) -> None:
+        progress = {"rows_written": rows, "num_tokens": self.num_tokens, "metadata": _jsonable(self.metadata),
+                    "layout": [self.layout.chunk_rows, self.layout.rows_per_shard]}
+        tmp = self.partial / (PROGRESS_FILE + ".tmp")
+        tmp.write_text(json.dumps(progress))
+        os.replace(tmp, self.partial / PROGRESS_FILE)
+
+    # -- streaming
+    def append(self, aux: np.ndarray, last: np.ndarray) -> None:
+        """Add rows (uint16 bf16 bits) that follow the rows already given, in storage order."""
+        self.buffers["aux_hidden_states"].append(aux)
+        self.buffers["last_hidden_states"].append(last)
+        self.buffered += len(aux)
+        shard = self.layout.rows_per_shard
+        while self.buffered >= shard or (self.buffered and self.buffer_start + self.buffered >= self.num_tokens):
+            rows = min(shard, self.buffered)
+            self._submit(self._take(rows))
+
+    def _take(self, rows: int) -> dict[str, np.ndarray]:
+        taken = {}
+        for name, parts in self.buffers.items():
+            joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            taken[name] = joined[:rows]
+            self.buffers[name] = [joined[rows:]] if rows < len(joined) else []
+        self.buffered -= rows
+        return taken
+
+    def _submit(self, block: dict[str, np.ndarray]) -> None:
+        start = self.buffer_start
+        end = start + len(block["aux_hidden_states"])
+        self.buffer_start = end
+        future = self.pool.submit(self._write_block, start, end, block)
+        self.pending.append((end, future))
+        self._retire(block_when_over=2 * self.writer_threads)
+
+    def _write_block(self, start: int, end: int, block: dict[str, np.ndarray]) -> None:
+        for name, data in block.items():
+            self.arrays[name][start:end] = data
+
+    def _retire(self, block_when_over: int) -> None:
+        """Record progress for the finished prefix of writes; wait if too many are in flight."""
+        while self.pending and (self.pending[0][1].done() or len(self.pending) > block_when_over):
+            end, future = self.pending.pop(0)
+            future.result()
+            self.rows_written = end
+            self._save_progress(end)
+
+    def finish(self, extra_attrs: dict[str, Any]) -> None:
+        if self.buffered:
+            raise RuntimeError(f"{self.buffered} rows still buffered at finish")
+        self._retire(block_when_over=0)
+        self.pool.shutdown()
+        if self.rows_written != self.num_tokens:
+            raise RuntimeError(f"wrote {self.rows_written} of {self.num_tokens} rows")
+        attrs = {**self.metadata, **extra_attrs, "format": FORMAT, "schema_version": SCHEMA_VERSION,
+                 "num_tokens": self.num_tokens, "hidden_size": self.hidden_size, "hidden_dtype": "bfloat16",
+                 "rows_per_shard": self.layout.rows_per_shard, "chunk_rows": self.layout.chunk_rows,
+                 "pipeline_version": __version__}
+        self.group.attrs.update(attrs)
+        (self.partial / PROGRESS_FILE).unlink()
+        self.group.attrs["complete"] = True  # last
+        zarr_io.commit(self.partial, self.final)
+
+    def abort(self) -> None:
+        for _, future in self.pending:
+            future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+# ---------------------------------------------------------------- reading and validation
+
+class HiddenStore:
+    """Read access for training: one sequence's arrays as tensors."""
+
+    def __init__(self, path: Path, validate_store: bool = True):
+        self.path = Path(path)
+        self.attrs = validate(self.path) if validate_store else zarr_io.attrs(self.path)
+        group = zarr_io.open_readonly(self.path)
+        self.aux, self.last = group["aux_hidden_states"], group["last_hidden_states"]
+        self.input_ids = group["input_ids"][...]
+        self.loss_mask = group["loss_mask"][...]
+        self.seq_offsets = group["seq_offsets"][...]
+
+    def __len__(self) -> int:
+        return len(self.seq_offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.seq_offsets)
+
+    def sequence(self, j: int) -> dict[str, torch.Tensor]:
+        start, end = int(self.seq_offsets[j]), int(self.seq_offsets[j + 1])
+        return {
+            "input_ids": torch.from_numpy(self.input_ids[start:end].astype(np.int64)),
+            "loss_mask": torch.from_numpy(self.loss_mask[start:end].copy()),
+            "aux_hidden_states": u16_to_bf16(self.aux[start:end]),
+            "last_hidden_states": u16_to_bf16(self.last[start:end]),
+        }
+
+
+def validate(path: Path) -> dict[str, Any]:
+    """Raise InvalidStore unless the store is complete and internally consistent; return its attrs."""
+    path = Path(path)
+    if not path.is_dir():
+        raise InvalidStore(f"{path}: hidden-state store does not exist")
+    try:
+        group = zarr_io.open_readonly(path)
+        attrs = dict(group.attrs)
+    except Exception as exc:
+        raise InvalidStore(f"{path}: not a readable zarr group ({exc})") from exc
+    if attrs.get("format") != FORMAT or attrs.get("complete") is not True:
+        raise InvalidStore(f"{path}: not a complete hidden-state store (format={attrs.get('format')}, "
+                           f"complete={attrs.get('complete')}); rerun its extract job")
+    num_tokens, hidden = attrs["num_tokens"], attrs["hidden_size"]
+    expected_shapes = {"aux_hidden_states": (num_tokens, 3, hidden), "last_hidden_states": (num_tokens, hidden),
+                       "input_ids": (num_tokens,), "loss_mask": (num_tokens,),
+                       "seq_offsets": (attrs["num_sequences"] + 1,), "sample_ids": (attrs["num_sequences"],)}
+    for name, shape in expected_shapes.items():
+        if name not in group or group[name].shape != shape:
+            raise InvalidStore(f"{path}: array {name} missing or of the wrong shape (expected {shape})")
+    offsets = group["seq_offsets"][...]
+    if offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) <= 0):
+        raise InvalidStore(f"{path}: seq_offsets do not cover {num_tokens} tokens")
+    rows_per_shard = attrs["rows_per_shard"]
+    for name in HIDDEN_ARRAYS:
+        array = group[name]
+        for index in range(math.ceil(num_tokens / rows_per_shard)):
+            key = path / name / "c" / str(index) / "0" / "0" if name == "aux_hidden_states" else \
+                path / name / "c" / str(index) / "0"
+            if not key.is_file():
+                raise InvalidStore(f"{path}: zarr shard file {key.relative_to(path)} is missing")
+            last_row = min(num_tokens, (index + 1) * rows_per_shard) - 1
+            try:  # decoding the shard's last chunk checks the shard index at the end of the file
+                array[last_row]
+            except Exception as exc:
+                raise InvalidStore(f"{path}: zarr shard {key.relative_to(path)} is damaged ({exc})") from exc
+    return attrs

@@ -1,0 +1,206 @@
+"""The disk plan: how many bytes each stage will write, against the free space where results live.
+
+Token counts are exact where token shards exist and estimated otherwise (from the normalized
+conversation shards, else from the raw inputs); the plan says which. `snakemake -n` prints it before
+the job table; a real run refuses to start when it does not fit (see rules/common.smk).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHARS_PER_TOKEN = 3.6  # measured: ShareGPT V3 under SmolLM2's tokenizer (see docs/ARCHITECTURE.md)
+TEMPLATE_TOKENS_PER_TURN = 5  # role header and end-of-turn markers
+TOKEN_SHARD_BYTES_PER_TOKEN = 4 + 1  # int32 id + uint8 mask, before compression
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    tokens: int
+    exact: bool
+    exists: bool = False
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    raw_bytes_per_token: float
+    expected_bytes_per_token: float
+    shards: list[ShardPlan] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.tokens * self.expected_bytes_per_token)
+
+    @property
+    def pending_bytes(self) -> int:
+        return int(sum(s.tokens for s in self.shards if not s.exists) * self.expected_bytes_per_token)
+
+    def shard_bytes(self, name: str) -> int:
+        shard = next(s for s in self.shards if s.name == name)
+        return int(shard.tokens * self.expected_bytes_per_token)
+
+    @property
+    def source(self) -> str:
+        kinds = {s.exact for s in self.shards}
+        return "exact" if kinds == {True} else "estimate" if kinds == {False} else "exact+estimate"
+
+
+def hidden_bytes_per_token(hidden_size: int, compression: float) -> tuple[float, float]:
+    """(raw, expected on disk) bytes per token of a hidden-state store: 4 bf16 vectors + id + mask."""
+    hidden = 4 * hidden_size * 2
+    raw = hidden + TOKEN_SHARD_BYTES_PER_TOKEN
+    return raw, hidden / compression + TOKEN_SHARD_BYTES_PER_TOKEN / 2
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(count) < 1000 or unit == "PB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1000
+    return f"{count:.1f} PB"
+
+
+def free_bytes(path: Path) -> int:
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+# ---------------------------------------------------------------- token counts
+
+def conversation_tokens(conversation: dict[str, Any], max_seq_len: int) -> int:
+    chars = sum(len(m["content"]) for m in conversation["messages"])
+    estimate = chars / CHARS_PER_TOKEN + TEMPLATE_TOKENS_PER_TURN * (len(conversation["messages"]) + 1)
+    return int(min(estimate, max_seq_len))
+
+
+def estimate_from_conversations(path: Path, max_seq_len: int) -> int:
+    with open(path, encoding="utf-8") as handle:
+        return sum(conversation_tokens(json.loads(line), max_seq_len) for line in handle if line.strip())
+
+
+def estimate_from_raw(inputs: list[Path], train_conversations: int | None, num_shards: int,
+                      max_seq_len: int) -> int:
+    """Rough tokens per shard from raw file sizes (no parsing: this runs at parse time)."""
+    total_bytes = sum(p.stat().st_size for p in inputs)
+    records = 0
+    for path in inputs:
+        data = path.read_bytes()
+        records += data.count(b'"conversations"') + data.count(b'"messages"')
+    records = max(records, 1)
+    per_conversation = min(total_bytes / records / CHARS_PER_TOKEN, max_seq_len)
+    conversations = min(train_conversations or records, records)
+    return int(per_conversation * conversations / num_shards)
+
+
+def shard_token_counts(shard_names: list[str], token_shard: str, conversation_shard: str,
+                       inputs: list[Path], data: dict[str, Any]) -> list[ShardPlan]:
+    from . import token_shards
+
+    plans, raw_estimate = [], None
+    for name in shard_names:
+        shard_path = Path(token_shard.format(shard=name))
+        conversation_path = Path(conversation_shard.format(shard=name))
+        if shard_path.is_dir():
+            try:
+                attrs = token_shards.validate(shard_path)
+                plans.append(ShardPlan(name, int(attrs["num_tokens"]), exact=True))
+                continue
+            except token_shards.InvalidTokenShard:
+                pass
+        if conversation_path.is_file():
+            plans.append(ShardPlan(name, estimate_from_conversations(conversation_path, data["max_seq_len"]), False))
+            continue
+        if raw_estimate is None:
+            raw_estimate = estimate_from_raw(inputs, data.get("train_conversations"), data["num_shards"],
+                                             data["max_seq_len"])
+        plans.append(ShardPlan(name, raw_estimate, exact=False))
+    return plans
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class DiskPlan:
+    stages: list[StagePlan]
+    results_dir: Path
+    free: int
+
+    @property
+    def pending(self) -> int:
+        return sum(s.pending_bytes for s in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.pending <= self.free
+
+    def lines(self) -> list[str]:
+        out = ["Disk plan (bytes to be written; tokens exact where token shards exist):",
+               f"  {'stage':<10} {'tokens':>14} {'raw B/tok':>10} {'disk B/tok':>10} {'per shard':>11} "
+               f"{'total':>11} {'to write':>11}  source"]
+        for stage in self.stages:
+            per_shard = stage.total_bytes / max(len(stage.shards), 1)
+            out.append(f"  {stage.stage:<10} {stage.tokens:>14,} {stage.raw_bytes_per_token:>10.1f} "
+                       f"{stage.expected_bytes_per_token:>10.1f} {human_bytes(per_shard):>11} "
+                       f"{human_bytes(stage.total_bytes):>11} {human_bytes(stage.pending_bytes):>11}  {stage.source}")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        out.append(f"  free space under {self.results_dir}: {human_bytes(self.free)}; to write: "
+                   f"{human_bytes(self.pending)} -> {verdict}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "free_bytes": self.free, "pending_bytes": self.pending, "fits": self.fits,
+            "stages": {s.stage: {"tokens": s.tokens, "raw_bytes_per_token": s.raw_bytes_per_token,
+                                 "expected_bytes_per_token": s.expected_bytes_per_token,
+                                 "total_bytes": s.total_bytes, "source": s.source,
+                                 "shards": {p.name: {"tokens": p.tokens, "exact": p.exact,
+                                                     "planned_bytes": int(p.tokens * s.expected_bytes_per_token)}
+                                            for p in s.shards}}
+                       for s in self.stages},
+        }
+
+
+def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], data: dict[str, Any],
+          hidden_size: int | None, compression: float, results_dir: Path) -> DiskPlan:
+    counts = shard_token_counts(shard_names, paths["token_shard"], paths["conversation_shard"], inputs, data)
+    tokens = StagePlan("tokens", TOKEN_SHARD_BYTES_PER_TOKEN, TOKEN_SHARD_BYTES_PER_TOKEN / 2,
+                       [ShardPlan(c.name, c.tokens, c.exact, Path(paths["token_shard"].format(shard=c.name)).exists())
+                        for c in counts])
+    stages = [tokens]
+    if hidden_size:
+        raw, expected = hidden_bytes_per_token(hidden_size, compression)
+        stages.append(StagePlan("hidden", raw, expected,
+                                [ShardPlan(c.name, c.tokens, c.exact,
+                                           Path(paths["hidden_store"].format(shard=c.name)).exists())
+                                 for c in counts]))
+    return DiskPlan(stages, results_dir, free_bytes(results_dir))
+
+
+def target_shape(target_dir: Path, source: str) -> tuple[int, int] | None:
+    """(hidden_size, num_layers) from the materialised target, else from the source, else None."""
+    for config_path in (Path(target_dir) / "config.json", Path(source) / "config.json"):
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            config = config.get("text_config", config)
+            return int(config["hidden_size"]), int(config["num_hidden_layers"])
+    if source.endswith(".gguf") and Path(source).is_file():
+        from gguf import GGUFReader
+
+        reader = GGUFReader(source)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        def field_value(key: str) -> int:
+            return int(reader.fields[f"{arch}.{key}"].parts[-1][0])
+        return field_value("embedding_length"), field_value("block_count")
+    return None

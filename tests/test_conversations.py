@@ -1,0 +1,131 @@
+import json
+
+import pytest
+
+from eagle3_pipeline import conversations
+from eagle3_pipeline.conversations import IngestError, ingest, split
+
+from .conftest import sharegpt_record, tiny_conversations
+
+
+def write_array(path, records, cut_bytes: int = 0):
+    text = json.dumps(records, indent=2).encode()
+    path.write_bytes(text[: len(text) - cut_bytes] if cut_bytes else text)
+    return path
+
+
+def test_roles_are_normalised(tmp_path):
+    record = sharegpt_record("a", [("system", "s"), ("Human", "q"), ("chatgpt", "r1"), ("user", "q2"),
+                                   ("bard", "r2"), ("human", "q3"), ("bing", "r3")])
+    kept, report = ingest([write_array(tmp_path / "x.json", [record])])
+    assert [m["role"] for m in kept[0]["messages"]] == ["system", "user", "assistant", "user", "assistant",
+                                                        "user", "assistant"]
+    assert report.kept == 1 and not report.dropped
+
+
+def test_openai_messages_shape_in_jsonl(tmp_path):
+    line = {"id": "o1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    kept, _ = ingest([path])
+    assert kept == [{"id": "o1", "source": "x.jsonl", "messages": line["messages"]}]
+
+
+def test_truncated_array_keeps_every_complete_record(tmp_path):
+    records = tiny_conversations(30)
+    path = write_array(tmp_path / "cut.json", records, cut_bytes=60)  # cut inside the last record
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == [r["id"] for r in records[:-1]]
+    assert report.dropped == {"truncated_record": 1}
+    info = report.files[str(path)]
+    assert info["truncated"] and info["records"] == 29
+    assert report.examples["truncated_record"][0]["record"] == 29
+
+
+def test_array_cut_between_records_is_reported(tmp_path):
+    records = tiny_conversations(5)
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: text.rindex("}") + 1])  # no closing ']'
+    kept, report = ingest([path])
+    assert len(kept) == 5 and report.files[str(path)]["truncated"]
+
+
+def test_malformed_record_mid_array_is_skipped_and_the_rest_kept(tmp_path):
+    records = tiny_conversations(6)
+    text = json.dumps(records, indent=2)
+    broken = text.replace('"id": "conv2"', '"id": "conv2" "oops": 1', 1)
+    path = tmp_path / "broken.json"
+    path.write_text(broken)
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == ["conv0", "conv1", "conv3", "conv4", "conv5"]
+    assert report.dropped == {"malformed_json": 1}
+    assert report.examples["malformed_json"][0]["record"] == 2
+
+
+def test_bad_records_are_each_skipped_with_a_counted_reason(tmp_path):
+    good = tiny_conversations(3)
+    lines = [json.dumps(r).encode() for r in good]
+    lines.insert(1, b'{"id": "broken", "conversations": [')  # invalid JSON line
+    lines.insert(2, json.dumps(sharegpt_record("nonstr", [("human", "q"), ("gpt", {"text": "r"})])).encode())
+    lines.insert(3, json.dumps(sharegpt_record("only_gpt", [("gpt", "a"), ("gpt", "b")])).encode())
+    lines.insert(4, b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}]}')
+    lines.insert(5, json.dumps(sharegpt_record("tool", [("human", "q"), ("tool", "x"), ("gpt", "r")])).encode())
+    lines.insert(6, json.dumps(sharegpt_record("empty", [])).encode())
+    lines.insert(7, json.dumps(sharegpt_record("no_reply", [("human", "q")])).encode())
+    lines.insert(8, b"[1, 2]")
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == [r["id"] for r in good]
+    assert report.dropped == {"malformed_json": 1, "non_string_content": 1, "no_user_turn": 1, "invalid_utf8": 1,
+                              "unknown_role": 1, "empty_conversation": 1, "no_assistant_turn": 1,
+                              "malformed_record": 1}
+    assert report.read == len(lines)
+    example = report.examples["invalid_utf8"][0]
+    assert example["file"] == str(path) and example["record"] == 4 and "UTF-8" in example["reason"]
+
+
+def test_non_utf8_bytes_inside_a_json_array_drop_only_that_record(tmp_path):
+    records = tiny_conversations(3)
+    text = json.dumps(records, indent=2).encode().replace(b"number 1?", b"number \xff1?")
+    path = tmp_path / "bytes.json"
+    path.write_bytes(text)
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == ["conv0", "conv2"] and report.dropped == {"invalid_utf8": 1}
+
+
+def test_turns_are_trimmed_to_a_trainable_conversation(tmp_path):
+    record = sharegpt_record("t", [("gpt", "lead"), ("human", "q"), ("gpt", "r"), ("human", "q2"), ("gpt", ""),
+                                   ("human", "after empty")])
+    kept, report = ingest([write_array(tmp_path / "t.json", [record])])
+    assert [m["content"] for m in kept[0]["messages"]] == ["q", "r"]
+    assert report.modified == {"cut_at_empty_turn": 1, "leading_assistant_turns_removed": 1}
+
+
+def test_unreadable_inputs_raise_a_clear_error(tmp_path):
+    with pytest.raises(IngestError, match="does not exist"):
+        ingest([tmp_path / "missing.json"])
+    (tmp_path / "text.txt").write_text("hello")
+    with pytest.raises(IngestError, match="neither a JSON array nor JSON lines"):
+        ingest([tmp_path / "text.txt"])
+
+
+def test_split_is_deterministic_and_disjoint():
+    conversations_ = [{"id": f"c{i}", "messages": []} for i in range(103)]
+    shards, held_out = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=7)
+    again, held_again = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=7)
+    assert shards == again and held_out == held_again
+    ids = [c["id"] for shard in shards for c in shard] + [c["id"] for c in held_out]
+    assert sorted(ids) == sorted(c["id"] for c in conversations_)
+    assert {len(s) for s in shards} <= {23, 24}
+    other, _ = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=8)
+    assert other != shards
+
+
+def test_jsonl_round_trip_is_atomic(tmp_path):
+    path = tmp_path / "out.jsonl"
+    data = [{"id": "x", "source": "s", "messages": [{"role": "user", "content": "é\n"}]}]
+    conversations.write_jsonl(data, path)
+    assert conversations.read_jsonl(path) == data
+    assert not (tmp_path / "out.jsonl.partial").exists()

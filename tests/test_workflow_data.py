@@ -1,0 +1,131 @@
+"""The data stage through the real snakemake CLI on a tiny config in a temp directory."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from eagle3_pipeline import token_shards, vocab
+
+from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
+
+pytestmark = pytest.mark.workflow
+
+
+def tiny_dataset(path, count=40):
+    """A ShareGPT-shaped file with bad records and a truncated tail, like the real package."""
+    records = tiny_conversations(count)
+    records.insert(3, sharegpt_record("empty", []))
+    records.insert(7, sharegpt_record("only_gpt", [("gpt", "hello"), ("gpt", "again")]))
+    records.insert(9, sharegpt_record("tool", [("human", "q"), ("function", "x"), ("gpt", "r")]))
+    text = json.dumps(records, indent=2)
+    path.write_text(text[: len(text) - 80])  # truncated inside the last record
+    return count - 1  # conversations that must survive
+
+
+def tiny_config(tmp_path, target_dir, shards=2, **data):
+    expected = tiny_dataset(tmp_path / "chats.json")
+    config = base_config(run="tiny", target={"source": str(target_dir)},
+                         data={"inputs": [str(tmp_path / "chats.json")], "num_shards": shards,
+                               "train_conversations": None, "eval_conversations": 4, "max_seq_len": 256, **data},
+                         vocab={"draft_vocab_size": 500})
+    return config, expected
+
+
+def test_data_stage_end_to_end(tmp_path, target_dir):
+    config, expected = tiny_config(tmp_path, target_dir)
+    run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors")
+    results = tmp_path / "results" / "tiny"
+    report = json.loads((results / "conversations" / "ingest_report.json").read_text())
+    assert report["conversations_kept"] == expected
+    assert report["dropped"] == {"empty_conversation": 1, "no_user_turn": 1, "unknown_role": 1,
+                                 "truncated_record": 1}
+    assert report["train_conversations"] == expected - 4 and report["eval_conversations"] == 4
+    total = 0
+    for shard in ("00000", "00001"):
+        data = token_shards.read(results / "tokens" / f"shard-{shard}.zarr")
+        assert data.attrs["num_sequences"] == len(data) > 0 and data.loss_mask.any()
+        assert data.attrs["target_hash"] and data.attrs["end_of_turn"] == "<|im_end|>"
+        total += len(data)
+        assert (tmp_path / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
+    assert total == expected - 4
+    draft = vocab.load(results / "vocab" / "draft_vocab.safetensors")
+    assert len(draft.draft_ids) == 500 and len(draft.counts) == 49152
+    stats = json.loads((results / "vocab" / "data_stats.json").read_text())
+    assert stats["total_tokens"] == sum(s["num_tokens"] for s in stats["shards"].values())
+    # Nothing left to do on a rerun.
+    again = run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors", "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def incomplete_marker(workdir, output: str):
+    return workdir / ".snakemake" / "incomplete" / base64.b64encode(output.encode()).decode()
+
+
+def test_killed_run_resumes_without_rewriting_finished_shards(tmp_path, target_dir):
+    config, _ = tiny_config(tmp_path, target_dir, shards=3)
+    run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
+    command = snakemake_command(tmp_path, config, "--cores", "1", "results/tiny/vocab/draft_vocab.safetensors")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    tokens = tmp_path / "results" / "tiny" / "tokens"
+
+    def finished_shards():
+        return [p for p in tokens.glob("shard-*.zarr")
+                if not incomplete_marker(tmp_path, f"results/tiny/tokens/{p.name}").exists()]
+
+    deadline = time.time() + 240
+    while time.time() < deadline and not finished_shards():
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    finished = {p.name: p.stat().st_mtime_ns for p in finished_shards()}
+    assert finished, "no shard finished before the kill"
+    assert len(finished) < 3, "the run finished before it was killed; the test proves nothing"
+    run_snakemake(tmp_path, config, "--unlock")
+    run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors")
+    for name, mtime in finished.items():
+        assert (tokens / name).stat().st_mtime_ns == mtime, f"{name} was rewritten"
+    assert sorted(p.name for p in tokens.iterdir()) == [f"shard-0000{i}.zarr" for i in range(3)]
+    for i in range(3):
+        token_shards.validate(tokens / f"shard-0000{i}.zarr")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"data": {"inputs": ["x.json"], "colour": "blue"}}, "colour"),
+    ({"data": {"inputs": ["x.json"], "num_shards": "four"}}, "four"),
+    ({"target": {"source": "/nonexistent/model"}}, "target.source"),
+    ({"data": {"inputs": ["/nonexistent/chats.json"]}}, "data.inputs[0]"),
+])
+def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, override, message):
+    (tmp_path / "x.json").write_text("[]")
+    config = base_config(run="bad", **override)
+    result = run_snakemake(tmp_path, config, "-n", check=False)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
+    """Decode each sequence's masked tokens: they are the assistant replies of that conversation."""
+    config, _ = tiny_config(tmp_path, target_dir, shards=2)
+    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00001.zarr")
+    from eagle3_pipeline import conversations, target
+
+    tokenizer = target.load_tokenizer(tmp_path / "results" / "tiny" / "target")
+    convs = {c["id"]: c for c in conversations.read_jsonl(
+        tmp_path / "results" / "tiny" / "conversations" / "shard-00001.jsonl")}
+    shard = token_shards.read(tmp_path / "results" / "tiny" / "tokens" / "shard-00001.zarr")
+    for j, sample_id in enumerate(shard.sample_ids):
+        ids, mask = shard.sequence(j)
+        replies = "".join(m["content"] + "<|im_end|>" for m in convs[sample_id]["messages"]
+                          if m["role"] == "assistant")
+        assert tokenizer.decode(ids[mask.astype(bool)]) == replies
+        assert np.all(ids >= 0)
