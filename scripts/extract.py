@@ -22,5 +22,6 @@ attrs = extract_stage.extract_shard(
     {"target_hash": identity["content_hash"], "target_revision": identity["source"].get("revision"),
      "device": str(backend.device)},
     log,
+    store_shard_bytes=settings["store_shard_mb"] << 20,
 )
 log.info("store complete: %d sequences, %d tokens", attrs["num_sequences"], attrs["num_tokens"])

@@ -73,7 +73,8 @@ def check_finite(aux: torch.Tensor, last: torch.Tensor, batch: Batch, offsets: n
 
 
 def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_budget: int,
-                  writer_threads: int, metadata: dict[str, Any], log: logging.Logger) -> dict[str, Any]:
+                  writer_threads: int, metadata: dict[str, Any], log: logging.Logger,
+                  store_shard_bytes: int = hidden_store.SHARD_BYTES) -> dict[str, Any]:
     shard = token_shards.read(token_shard_path)
     order = storage_order(shard.lengths())
     sequences = reorder(shard, order)
@@ -82,7 +83,7 @@ def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_
     store_metadata = {**metadata, **info.as_attrs(), "num_sequences": len(order),
                       "template_hash": shard.attrs.get("template_hash"), "token_shard": token_shard_path.name}
     writer = hidden_store.StoreWriter(output, num_tokens, info.hidden_size, store_metadata, sequences,
-                                      writer_threads)
+                                      writer_threads, store_shard_bytes)
     batches = plan_batches(np.diff(sequences["seq_offsets"]), token_budget)
     todo = [b for b in batches if b.end_row > writer.rows_written]
     if writer.rows_written:

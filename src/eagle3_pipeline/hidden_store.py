@@ -48,10 +48,11 @@ class Layout:
     rows_per_shard: int
 
     @classmethod
-    def for_hidden_size(cls, hidden_size: int) -> Layout:
+    def for_hidden_size(cls, hidden_size: int, shard_bytes: int = SHARD_BYTES) -> Layout:
         row_bytes = 4 * hidden_size * 2  # aux (3H) + last (H), bf16; the aux array sets the pace
-        chunk_rows = 2 ** max(0, round(math.log2(max(1, CHUNK_BYTES // (3 * hidden_size * 2)))))
-        chunks_per_shard = max(1, SHARD_BYTES // (chunk_rows * row_bytes))
+        chunk_bytes = min(CHUNK_BYTES, shard_bytes)
+        chunk_rows = 2 ** max(0, round(math.log2(max(1, chunk_bytes // (3 * hidden_size * 2)))))
+        chunks_per_shard = max(1, shard_bytes // (chunk_rows * row_bytes))
         return cls(chunk_rows, chunk_rows * chunks_per_shard)
 
 
@@ -67,10 +68,11 @@ class StoreWriter:
     """Streams rows (in storage order) into a partial store; writes only whole zarr shards, in parallel."""
 
     def __init__(self, final: Path, num_tokens: int, hidden_size: int, metadata: dict[str, Any],
-                 sequences: dict[str, np.ndarray | list[str]], writer_threads: int = 4):
+                 sequences: dict[str, np.ndarray | list[str]], writer_threads: int = 4,
+                 shard_bytes: int = SHARD_BYTES):
         self.final, self.partial = final, zarr_io.partial_path(final)
         self.num_tokens, self.hidden_size = num_tokens, hidden_size
-        self.layout = Layout.for_hidden_size(hidden_size)
+        self.layout = Layout.for_hidden_size(hidden_size, shard_bytes)
         self.metadata = metadata
         self.rows_written = self._resume_point(sequences)
         if self.rows_written == 0:
