@@ -23,9 +23,11 @@ include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/data.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
 
 
 rule all:
     input:
         DRAFT_VOCAB,
         DISK_REPORT,
+        SERVING_DIR,

@@ -19,6 +19,12 @@ DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.safetensors"
 VOCAB_STATS = f"{RESULTS}/vocab/data_stats.json"
 HIDDEN_STORE = f"{RESULTS}/hidden/shard-{{shard}}.zarr"
 DISK_REPORT = f"{RESULTS}/reports/disk_plan_vs_actual.json"
+TRAIN_STATE = f"{RESULTS}/train_state"  # checkpoints live outside Snakemake's outputs: a killed job resumes
+DRAFTER_WEIGHTS = f"{RESULTS}/train/drafter.safetensors"
+TRAIN_SUMMARY = f"{RESULTS}/train/summary.json"
+TRAIN_METRICS = f"{RESULTS}/train/metrics.csv"
+CONFIG_SNAPSHOT = f"{RESULTS}/train/config_snapshot.yaml"
+SERVING_DIR = f"{RESULTS}/serving/drafter"
 
 
 wildcard_constraints:

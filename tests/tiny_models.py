@@ -12,3 +12,42 @@ def tiny_llama(layers: int = 6, hidden: int = 64, vocab: int = 256, seed: int = 
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=False)
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidden: int = 64, vocab: int = 256,
+                           draft_vocab: int = 200, seed: int = 0):
+    """A real (random-weight) target directory, one token shard, its hidden-state store and a draft vocab."""
+    import logging
+
+    import numpy as np
+
+    from eagle3_pipeline import token_shards
+    from eagle3_pipeline import vocab as vocab_module
+    from eagle3_pipeline.backends.hf import HFBackend
+    from eagle3_pipeline.extract_stage import extract_shard
+    from eagle3_pipeline.tokenization import TokenizedConversation
+
+    model = tiny_llama(layers=layers, hidden=hidden, vocab=vocab, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # a confident teacher, like a real LM (random init is near uniform)
+    target_dir = tmp_path / "target"
+    model.save_pretrained(target_dir)
+    rng = np.random.default_rng(seed)
+    # Repetitive sequences (a few motifs) so there is something learnable.
+    motifs = [rng.integers(0, vocab, size=8) for _ in range(4)]
+    data = []
+    for i in range(sequences):
+        ids = np.concatenate([motifs[(i + j) % 4] for j in range(int(rng.integers(3, 8)))]).astype(np.int32)
+        mask = np.ones(len(ids), np.uint8)
+        mask[:4] = 0
+        data.append(TokenizedConversation(f"s{i}", ids, mask))
+    shard_path = tmp_path / "tokens.zarr"
+    token_shards.write(shard_path, data, {})
+    store = tmp_path / "hidden.zarr"
+    extract_shard(HFBackend(model), shard_path, store, token_budget=512, writer_threads=2, metadata={},
+                  log=logging.getLogger("tiny"))
+    counts = vocab_module.count_tokens(np.concatenate([d.input_ids for d in data]),
+                                       np.concatenate([d.loss_mask for d in data]), vocab)
+    vocab_path = tmp_path / "vocab.safetensors"
+    vocab_module.save(vocab_module.select(counts, draft_vocab), vocab_path)
+    return target_dir, store, vocab_path

@@ -1,0 +1,38 @@
+# Drafter training (1..N GPUs; torchrun when more than one) and export to a serving directory.
+
+
+rule train:
+    input:
+        stores=expand(HIDDEN_STORE, shard=SHARDS),
+        vocab=DRAFT_VOCAB,
+        target=TARGET_DIR,
+    output:
+        weights=DRAFTER_WEIGHTS,
+        summary=TRAIN_SUMMARY,
+        metrics=TRAIN_METRICS,
+        config=CONFIG_SNAPSHOT,
+    params:
+        settings=config["train"],
+        state_dir=TRAIN_STATE,
+        full_config=config,
+    threads: config["train"]["threads"]
+    resources:
+        gpu=config["train"]["gpus"],
+        mem_mb=16000,
+    log:
+        f"{LOGS}/train.log",
+    script:
+        "../scripts/train.py"
+
+
+rule export:
+    input:
+        weights=DRAFTER_WEIGHTS,
+    output:
+        directory(SERVING_DIR),
+    params:
+        dtype=config["export"]["dtype"],
+    log:
+        f"{LOGS}/export.log",
+    script:
+        "../scripts/export.py"

@@ -1,0 +1,239 @@
+"""The EAGLE-3 drafter (Llama family), in one readable file.
+
+    aux features (3 target layers, 3H) --fc--> h                     token embedding (frozen target copy)
+                                               |                               |
+                                          hidden_norm                    input_layernorm
+                                               \\______ concat (2H) ______/
+                                                          |
+                               midlayer: self_attn (q/k/v from 2H, o to H) + residual(h)
+                                         post_attention_layernorm -> SwiGLU MLP + residual
+                                                          |
+                                         norm -> lm_head [K, H] over the draft vocab
+
+The midlayer's pre-norm output is the drafter's own "hidden state": training-time test (TTT) feeds it
+back as `h` for the next draft position, exactly as SGLang/vLLM do when drafting a chain.
+Weight names match what SGLang's and vLLM's `LlamaForCausalLMEagle3` load (see export.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # HF hidden_states indices
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+    extra: dict[str, Any] = field(default_factory=dict)  # target config fields copied into the export
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
+        config = getattr(target_config, "text_config", target_config)
+        heads = config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", heads),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=config.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            extra={k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if getattr(config, k, None) is not None},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # Llama-3.1 long-context scaling
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        medium = (wavelength <= original / low) & (wavelength >= original / high)
+        inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif scaling:
+        raise NotImplementedError(f"rope scaling {scaling} is not supported by the drafter yet")
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    """Attention whose queries/keys/values come from the 2H concat; keys of earlier TTT steps are cached."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: torch.Tensor | None,
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        """x [B,T,2H]. With `cache` (TTT), step k attends to step 0 causally and to its own position at steps 1..k."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if cache is None or not cache:
+            mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            if key_padding is not None:
+                mask = mask[None, None] & key_padding[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if cache is not None:
+                cache.append((k, v))
+        else:
+            out = self._ttt_attention(q, k, v, key_padding, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _ttt_attention(self, q, k, v, key_padding, cache):
+        scale = 1.0 / math.sqrt(self.head_dim)
+        k0, v0 = cache[0]
+        length = q.shape[2]
+        prefix = (q @ k0.transpose(-1, -2)) * scale  # [B,h,T,T] against the real-feature step
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        if key_padding is not None:
+            causal = causal[None, None] & key_padding[:, None, None, :]
+        prefix = prefix.masked_fill(~causal, float("-inf"))
+        later_k = torch.stack([ck for ck, _ in cache[1:]] + [k], dim=-2)  # [B,h,T,S,d], one key per step
+        later_v = torch.stack([cv for _, cv in cache[1:]] + [v], dim=-2)
+        diagonal = (q.unsqueeze(-2) * later_k).sum(-1) * scale  # [B,h,T,S]
+        weights = torch.softmax(torch.cat([prefix, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :length] @ v0 + (weights[..., length:].unsqueeze(-1) * later_v).sum(-2)
+        cache.append((k, v))
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, key_padding, cache):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(x, cos, sin, key_padding, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's; never exported
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[..., None] * self.inv_freq  # [B,T,d/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B,1,T,d]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             key_padding: torch.Tensor | None = None, cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft position for every token: returns (draft-vocab logits [B,T,K], pre-norm hidden [B,T,H]).
+
+        `hidden` is either the target's aux features (width 3H, projected by fc) or a previous step's output.
+        """
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        hidden = self.midlayer(embeds, hidden, cos, sin, key_padding, cache)
+        return self.lm_head(self.norm(hidden)), hidden
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything that is exported: all weights but the embedding, plus d2t/t2d."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def count_flops_per_token(config: DrafterConfig, length: int) -> float:
+    """Forward FLOPs per token of one drafter step (matmuls only; attention over `length` keys)."""
+    h, d = config.hidden_size, config.head_dim
+    linear = (3 * config.target_hidden_size * h  # fc
+              + 2 * h * (config.num_attention_heads + 2 * config.num_key_value_heads) * d  # q, k, v from 2H
+              + config.num_attention_heads * d * h  # o
+              + 3 * h * config.intermediate_size  # mlp
+              + h * config.draft_vocab_size)  # lm_head
+    attention = 2 * config.num_attention_heads * d * length  # scores + weighted values
+    return 2.0 * (linear + attention)

@@ -1,0 +1,432 @@
+"""Drafter training with training-time test (TTT), resumable checkpoints and optional DDP (torchrun).
+
+Targets: at step k the drafter sees token x[t+1+k] and (step 0) the target's aux features at t, or (k>0)
+its own previous output, and must match the target's distribution at position t+1+k, i.e. predict
+x[t+2+k]. The teacher is the frozen target lm_head applied to the stored post-norm final state,
+restricted (renormalised) to the draft vocab. A position counts when the predicted token is an
+assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from . import hidden_store, vocab
+from .model import Drafter, DrafterConfig, count_flops_per_token
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.csv"
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class TrainSettings:
+    ttt_steps: int = 7
+    step_weight_decay: float = 0.8
+    learning_rate: float = 1e-4
+    warmup_steps: int = 50
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_tokens: int = 8192
+    max_seq_len: int = 2048
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    num_workers: int = 2
+    device: str = "auto"
+
+
+# ---------------------------------------------------------------- data
+
+class BatchSchedule(torch.utils.data.Dataset):
+    """Item i is training batch i: a deterministic function of (seed, epoch), so a resumed run sees the
+    same batches, and DataLoader workers read the zarr stores in parallel."""
+
+    def __init__(self, store_paths: list[Path], settings: TrainSettings):
+        self.paths = [Path(p) for p in store_paths]
+        self.settings = settings
+        self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
+        self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
+        self.batches: list[list[tuple[int, int]]] = []
+        for epoch in range(settings.epochs):
+            self.batches += self._epoch(epoch)
+
+    def _epoch(self, epoch: int) -> list[list[tuple[int, int]]]:
+        items = [(s, j) for s, lengths in enumerate(self.lengths) for j in range(len(lengths))]
+        order = np.random.default_rng([self.settings.seed, epoch]).permutation(len(items))
+        batches, current, longest = [], [], 0
+        for index in order:
+            store, j = items[index]
+            length = int(self.lengths[store][j])
+            if current and (len(current) + 1) * max(longest, length) > self.settings.batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append((store, j))
+            longest = max(longest, length)
+        return batches + ([current] if current else [])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.stores is None:
+            self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
+        sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
+        return collate(sequences, self.settings.max_seq_len)
+
+
+def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int) -> dict[str, torch.Tensor]:
+    lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
+    width, batch = max(lengths), len(sequences)
+    hidden = sequences[0]["last_hidden_states"].shape[-1]
+    out = {
+        "input_ids": torch.zeros(batch, width, dtype=torch.long),
+        "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
+        "aux": torch.zeros(batch, width, 3 * hidden, dtype=torch.bfloat16),
+        "last": torch.zeros(batch, width, hidden, dtype=torch.bfloat16),
+        "valid": torch.zeros(batch, width, dtype=torch.bool),
+    }
+    for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
+        out["input_ids"][row, :n] = seq["input_ids"][:n]
+        out["loss_mask"][row, :n] = seq["loss_mask"][:n].bool()
+        out["aux"][row, :n] = seq["aux_hidden_states"][:n].reshape(n, 3 * hidden)  # layer order, like SGLang
+        out["last"][row, :n] = seq["last_hidden_states"][:n]
+        out["valid"][row, :n] = True
+    return out
+
+
+# ---------------------------------------------------------------- teacher and loss
+
+class Teacher:
+    """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor):
+        self.lm_head = lm_head  # [V, H]
+        self.draft_ids = draft_ids  # [K]
+        self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+        self.in_draft[draft_ids] = True
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = last.to(self.lm_head.dtype) @ self.lm_head.T  # [B,T,V]
+        argmax_in_draft = self.in_draft[logits.argmax(-1)]
+        probs = torch.softmax(logits[..., self.draft_ids].float(), dim=-1)
+        return probs, argmax_in_draft
+
+
+def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+by] (padded with `fill`)."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int,
+                decay: float) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts)."""
+    device = batch["input_ids"].device
+    batch_size, length = batch["input_ids"].shape
+    positions = torch.arange(length, device=device).expand(batch_size, length)
+    probs, argmax_in_draft = teacher(batch["last"])
+    hidden = batch["aux"].to(model.fc.weight.dtype)
+    cache: list = []
+    total = torch.zeros((), device=device)
+    metrics = []
+    for k in range(steps):
+        input_ids = shift_left(batch["input_ids"], 1 + k)
+        target_probs = shift_left(probs, 1 + k)
+        # predicted token x[t+2+k] must be an assistant token; its teacher argmax must be drafter-reachable
+        counts = shift_left(batch["loss_mask"], 2 + k, False) & shift_left(argmax_in_draft, 1 + k, False)
+        counts &= shift_left(batch["valid"], 2 + k, False)
+        logits, hidden = model.step(input_ids, hidden, positions, batch["valid"], cache)
+        step = step_metrics(logits, target_probs, counts)
+        total = total + (decay ** k) * step.pop("mean_loss")
+        metrics.append(step)
+    return total, metrics
+
+
+def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Soft cross-entropy (mean, differentiable) plus sums over counted positions: loss, correct top-1,
+    expected acceptance sum(min(p_draft, q_teacher)), count. Sums stay tensors: reading them would stall the GPU."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    n = counts.sum()
+    per_position = -(target_probs * log_q).sum(-1)[counts]
+    mean_loss = per_position.sum() / n.clamp(min=1)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == target_probs.argmax(-1)) & counts).sum()
+        accept = torch.minimum(log_q.exp(), target_probs).sum(-1)[counts].sum()
+    return {"mean_loss": mean_loss, "loss": per_position.detach().sum(), "correct": correct, "accept": accept,
+            "count": n}
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter plus its training objective, as one module so DDP's gradient hooks see the whole step."""
+
+    def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float):
+        super().__init__()
+        self.drafter, self.teacher, self.steps, self.decay = drafter, teacher, steps, decay
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay)
+
+
+# ---------------------------------------------------------------- set-up helpers
+
+def read_target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V,H], lm_head [V,H]) from the target's safetensors, without loading the whole model."""
+    tensors: dict[str, torch.Tensor] = {}
+    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head",
+              "model.language_model.embed_tokens.weight": "embed"}
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in wanted:
+                    tensors[wanted[name]] = handle.get_tensor(name)
+    if "embed" not in tensors:
+        raise ValueError(f"{target_dir}: no embed_tokens weight found in its safetensors")
+    return tensors["embed"], tensors.get("lm_head", tensors["embed"])  # tied embeddings
+
+
+def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int) -> Drafter:
+    from .target import load_config
+
+    draft = vocab.load(vocab_path)
+    config = DrafterConfig.from_target(load_config(target_dir), len(draft.draft_ids), aux_layer_ids)
+    torch.manual_seed(seed)
+    model = Drafter(config)
+    embed, _ = read_target_head(target_dir)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed.float())
+        model.d2t.copy_(torch.from_numpy(draft.d2t))
+        model.t2d.copy_(torch.from_numpy(draft.t2d))
+    return model
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested != "auto":
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, model: Drafter, optimizer, scheduler, step: int, settings: TrainSettings) -> None:
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"model": model.trainable_state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step,
+                "settings": asdict(settings)}, partial)
+    os.replace(partial, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    # weights_only: a checkpoint is data, never code
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- the loop
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir: Path,
+          settings: TrainSettings, stop_after_step: int | None = None) -> Drafter:
+    """Train (or resume) until done; returns the model. `stop_after_step` simulates a kill in tests."""
+    stores = [hidden_store.validate(p) for p in store_paths]  # refuse invalid stores up front
+    aux_layer_ids = stores[0]["aux_layer_ids"]
+    if any(s["aux_layer_ids"] != aux_layer_ids for s in stores):
+        raise ValueError("hidden-state stores disagree on aux_layer_ids; they come from different extractions")
+    device = pick_device(settings.device)
+    distributed = dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed).to(device)
+    _, lm_head = read_target_head(target_dir)
+    teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    teacher = Teacher(lm_head.to(device, teacher_dtype), model.draft_to_target(
+        torch.arange(model.config.draft_vocab_size, device=device)))
+    schedule = BatchSchedule(store_paths, settings)
+    steps_total = len(schedule) // world
+    if settings.max_steps:
+        steps_total = min(steps_total, settings.max_steps)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=settings.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: cosine_with_warmup(s, settings.warmup_steps, steps_total))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path, metrics_path = state_dir / CHECKPOINT_FILE, state_dir / METRICS_FILE
+    start = 0
+    if checkpoint_path.exists():
+        checkpoint = load_checkpoint(checkpoint_path)
+        model.load_state_dict(checkpoint["model"], strict=False)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        set_rng_state(checkpoint["rng"])
+        start = checkpoint["step"]
+        log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
+    if is_main_process():
+        truncate_metrics(metrics_path, start, settings.ttt_steps)
+    objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay)
+    if distributed:
+        objective = torch.nn.parallel.DistributedDataParallel(objective)
+    loader = torch.utils.data.DataLoader(
+        schedule, batch_size=None, num_workers=settings.num_workers, pin_memory=device.type == "cuda",
+        sampler=range(start * world + rank, steps_total * world, world),
+        persistent_workers=False, prefetch_factor=4 if settings.num_workers else None)
+    log.info("training %d steps (%d batches/epoch over %d GPUs/processes), TTT %d steps, %d sequences",
+             steps_total, len(schedule) // max(settings.epochs, 1), world, settings.ttt_steps,
+             sum(len(x) for x in schedule.lengths))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    window = MetricsWindow(settings.ttt_steps)
+    flops_per_token = 3 * sum(count_flops_per_token(model.config, 1024) for _ in range(settings.ttt_steps))
+    step = start
+    tick = time.perf_counter()
+    model.train()
+    for batch in loader:
+        tokens = int(batch["valid"].sum())
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast:
+            loss, step_metrics = objective(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        window.add(step_metrics, loss.detach(), tokens)
+        if step % settings.log_every == 0 or step == steps_total:
+            elapsed = time.perf_counter() - tick
+            row = window.flush(step, scheduler.get_last_lr()[0], float(grad_norm), elapsed, steps_total - step,
+                               flops_per_token, world)
+            if is_main_process():
+                append_metrics(metrics_path, row)
+                log.info(format_row(row, steps_total))
+            tick = time.perf_counter()
+        if step % settings.checkpoint_every == 0 and step < steps_total and is_main_process():
+            save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, settings)
+        if stop_after_step is not None and step >= stop_after_step:
+            if is_main_process():
+                save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, settings)
+            return model
+    if is_main_process():
+        save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, settings)
+    return model
+
+
+class MetricsWindow:
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = [{"loss": 0.0, "correct": 0.0, "accept": 0.0, "count": 0.0} for _ in range(self.steps)]
+        self.loss, self.batches, self.tokens = 0.0, 0, 0
+
+    def add(self, step_metrics: list[dict[str, torch.Tensor]], loss: torch.Tensor, tokens: int) -> None:
+        for total, m in zip(self.sums, step_metrics, strict=True):
+            for key in total:
+                total[key] = total[key] + m[key]
+        self.loss += loss
+        self.batches += 1
+        self.tokens += tokens
+
+    def flush(self, step: int, lr: float, grad_norm: float, elapsed: float, remaining: int,
+              flops_per_token: float, world: int) -> dict[str, float]:
+        tokens_per_s = self.tokens * world / max(elapsed, 1e-9)
+        row = {"step": step, "lr": lr, "loss": float(self.loss) / max(self.batches, 1), "grad_norm": grad_norm,
+               "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+               "eta_s": remaining * elapsed / max(self.batches, 1)}
+        for k, sums in enumerate(self.sums):
+            n = max(float(sums["count"]), 1.0)
+            row[f"loss_{k}"] = float(sums["loss"]) / n
+            row[f"acc_{k}"] = float(sums["correct"]) / n
+            row[f"accept_{k}"] = float(sums["accept"]) / n
+        self.reset()
+        return row
+
+
+def format_row(row: dict[str, float], total: int) -> str:
+    accs = " ".join(f"{row[f'acc_{k}']:.3f}" for k in range(sum(1 for key in row if key.startswith("acc_"))))
+    return (f"step {int(row['step'])}/{total} loss {row['loss']:.4f} lr {row['lr']:.2e} acc/step [{accs}] "
+            f"{row['tokens_per_s']:,.0f} tokens/s, ETA {row['eta_s'] / 60:.1f} min")
+
+
+def append_metrics(path: Path, row: dict[str, float]) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def truncate_metrics(path: Path, step: int, ttt_steps: int) -> None:
+    """Drop metric rows logged after the checkpoint being resumed (they will be logged again)."""
+    if not path.exists():
+        return
+    with open(path, newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if float(r["step"]) <= step]
+    path.unlink()
+    for row in rows:
+        append_metrics(path, row)
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    with open(path, newline="") as handle:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def summary(metrics_path: Path, ttt_steps: int) -> dict[str, Any]:
+    rows = read_metrics(metrics_path)
+    last = rows[-1]
+    return {"steps": int(last["step"]), "final_loss": last["loss"],
+            "acc_per_step": [last[f"acc_{k}"] for k in range(ttt_steps)],
+            "expected_acceptance_per_step": [last[f"accept_{k}"] for k in range(ttt_steps)]}
+
+
+def settings_from_config(config: dict[str, Any]) -> TrainSettings:
+    known = TrainSettings.__dataclass_fields__
+    return TrainSettings(**{k: v for k, v in config.items() if k in known})
+
+
+def write_json(path: Path, value: Any) -> None:
+    Path(path).write_text(json.dumps(value, indent=2, default=str))

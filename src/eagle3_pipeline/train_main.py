@@ -1,0 +1,45 @@
+"""Entry point of one training process: `python -m eagle3_pipeline.train_main ARGS.json` (also under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from . import logs
+from .train import settings_from_config, summary, train
+
+
+def run(args: dict) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    log = logs.setup(args["log"] if rank == 0 else None, name="train")
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+    try:
+        settings = settings_from_config(args["settings"])
+        model = train([Path(p) for p in args["stores"]], Path(args["target"]), Path(args["vocab"]),
+                      Path(args["state_dir"]), settings)
+        if rank == 0:
+            weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
+            partial = Path(args["weights"] + ".partial")
+            save_file(weights, str(partial), metadata={"drafter_config": json.dumps(model.config.as_dict())})
+            os.replace(partial, args["weights"])
+            result = summary(Path(args["state_dir"]) / "metrics.csv", settings.ttt_steps)
+            Path(args["summary"]).write_text(json.dumps(result, indent=2))
+            log.info("done: %s", result)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(json.loads(Path(sys.argv[1]).read_text()))

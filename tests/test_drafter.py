@@ -1,0 +1,174 @@
+"""The drafter: TTT attention, metrics, training, resume equivalence, export for SGLang/vLLM."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import zarr
+from safetensors import safe_open
+
+from eagle3_pipeline import export, hidden_store
+from eagle3_pipeline.model import Drafter, DrafterConfig
+from eagle3_pipeline.train import TrainSettings, read_metrics, step_metrics, train
+
+from .tiny_models import tiny_target_with_store
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    values = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  vocab_size=100, draft_vocab_size=40, target_hidden_size=32, aux_layer_ids=[2, 3, 4])
+    return DrafterConfig(**(values | overrides))
+
+
+def test_ttt_attention_matches_an_explicitly_masked_reference():
+    torch.manual_seed(0)
+    model = Drafter(tiny_config()).eval()
+    batch, length, steps = 2, 9, 3
+    ids = torch.randint(0, 100, (batch, length))
+    positions = torch.arange(length).expand(batch, length)
+    hidden = torch.randn(batch, length, 96)
+    cache: list = []
+    outputs = []
+    with torch.no_grad():
+        h = hidden
+        for _ in range(steps):
+            _, h = model.step(ids, h, positions, None, cache)
+            outputs.append(h)
+        # Reference: recompute the last step's attention with one explicit mask over all steps' keys.
+        attn = model.midlayer.self_attn
+        queries_input = torch.cat([model.midlayer.input_layernorm(model.embed_tokens(ids)),
+                                   model.midlayer.hidden_norm(outputs[-2])], -1)
+        cos, sin = model.rotary(positions, hidden.dtype)
+
+        def project(proj, x, heads):
+            y = proj(x).view(batch, length, heads, 8).transpose(1, 2)
+            return y
+
+        q = project(attn.q_proj, queries_input, 4)
+        q = q * cos + (torch.cat([-q[..., 4:], q[..., :4]], -1)) * sin
+        keys = torch.cat([k for k, _ in cache], dim=2)  # [B,h,steps*T,d]
+        values = torch.cat([v for _, v in cache], dim=2)
+        mask = torch.zeros(length, steps * length, dtype=torch.bool)
+        for t in range(length):
+            mask[t, : t + 1] = True  # step 0: causal prefix
+            for j in range(1, steps):
+                mask[t, j * length + t] = True  # later steps: own position only
+        reference = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        reference = attn.o_proj(reference.transpose(1, 2).reshape(batch, length, -1))
+        residual = outputs[-2]
+        expected = residual + reference
+        expected = expected + model.midlayer.mlp(model.midlayer.post_attention_layernorm(expected))
+    torch.testing.assert_close(outputs[-1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_step_metrics_on_a_hand_made_case():
+    # 3 positions, draft vocab of 3. Position 2 does not count.
+    logits = torch.log(torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]]]))
+    teacher = torch.tensor([[[0.6, 0.3, 0.1], [0.5, 0.25, 0.25], [0.0, 0.0, 1.0]]])
+    counts = torch.tensor([[True, True, False]])
+    metrics = step_metrics(logits, teacher, counts)
+    assert float(metrics["count"]) == 2
+    assert float(metrics["correct"]) == 1  # position 0 right (0 vs 0), position 1 wrong (2 vs 0)
+    # sum(min(p, q)): position 0: .6+.2+.1 = .9; position 1: .1+.1+.25 = .45
+    assert math.isclose(float(metrics["accept"]), 0.9 + 0.45, rel_tol=1e-5)
+    expected_loss = -(0.6 * math.log(0.7) + 0.3 * math.log(0.2) + 0.1 * math.log(0.1)) \
+        - (0.5 * math.log(0.1) + 0.25 * math.log(0.1) + 0.25 * math.log(0.8))
+    assert math.isclose(float(metrics["loss"]), expected_loss, rel_tol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    return tiny_target_with_store(tmp_path_factory.mktemp("tiny"))
+
+
+def settings(**overrides) -> TrainSettings:
+    return TrainSettings(**({"ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256,
+                             "max_seq_len": 64, "checkpoint_every": 3, "log_every": 1, "num_workers": 0,
+                             "device": "cpu"} | overrides))
+
+
+def test_loss_decreases_and_metrics_are_logged(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    train([store], target_dir, vocab_path, tmp_path / "state", settings())
+    rows = read_metrics(tmp_path / "state" / "metrics.csv")
+    assert len(rows) >= 10
+    first, last = rows[0], rows[-1]
+    assert last["loss"] < 0.7 * first["loss"]
+    assert last["acc_0"] > first["acc_0"]
+    assert {"acc_0", "acc_2", "accept_1", "loss_2", "tokens_per_s"} <= set(last)
+
+
+def test_resume_after_a_kill_ends_with_the_same_weights(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    straight = train([store], target_dir, vocab_path, tmp_path / "straight", settings(num_workers=1))
+    train([store], target_dir, vocab_path, tmp_path / "resumed", settings(num_workers=1), stop_after_step=4)
+    resumed = train([store], target_dir, vocab_path, tmp_path / "resumed", settings(num_workers=1))
+    for name, tensor in straight.trainable_state_dict().items():
+        assert torch.equal(tensor, resumed.trainable_state_dict()[name]), name
+    straight_rows = read_metrics(tmp_path / "straight" / "metrics.csv")
+    resumed_rows = read_metrics(tmp_path / "resumed" / "metrics.csv")
+    assert [r["step"] for r in resumed_rows] == [r["step"] for r in straight_rows]
+    assert [r["loss"] for r in resumed_rows] == pytest.approx([r["loss"] for r in straight_rows], rel=1e-6)
+
+
+def test_training_refuses_an_invalid_store(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    broken = tmp_path / "broken.zarr"
+    import shutil
+
+    shutil.copytree(store, broken)
+    zarr.open_group(str(broken), mode="r+").attrs["complete"] = False
+    with pytest.raises(hidden_store.InvalidStore, match="not a complete"):
+        train([broken], target_dir, vocab_path, tmp_path / "state", settings())
+
+
+def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    model = train([store], target_dir, vocab_path, tmp_path / "state", settings(epochs=1)).eval()
+    config = model.config
+    h, k, v = config.hidden_size, config.draft_vocab_size, config.vocab_size
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    expected_shapes = {
+        "fc.weight": (h, 3 * config.target_hidden_size), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": (kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": (h, heads * d),
+        "midlayer.mlp.gate_proj.weight": (config.intermediate_size, h),
+        "midlayer.mlp.up_proj.weight": (config.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": (h, config.intermediate_size), "norm.weight": (h,),
+        "lm_head.weight": (k, h), "d2t": (k,), "t2d": (v,),
+    }
+    for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        out = tmp_path / f"serving-{dtype}"
+        export.export(model, out, dtype=dtype)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+            names = set(handle.keys())
+            assert names == set(expected_shapes)
+            for name, shape in expected_shapes.items():
+                tensor = handle.get_tensor(name)
+                assert tuple(tensor.shape) == shape, name
+                expected_dtype = {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch_dtype)
+                assert tensor.dtype == expected_dtype, name
+        served = json.loads((out / "config.json").read_text())
+        assert served["architectures"] == ["LlamaForCausalLMEagle3"] and served["num_hidden_layers"] == 1
+        assert served["draft_vocab_size"] == k and served["vocab_size"] == v
+        assert served["target_hidden_size"] == config.target_hidden_size and served["tie_word_embeddings"] is False
+        assert served["eagle_aux_hidden_state_layer_ids"] == config.aux_layer_ids
+        assert served["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in config.aux_layer_ids]
+        assert served["torch_dtype"] == dtype
+        loaded = export.load(out, embedding=model.embed_tokens.weight.detach())
+        sequence = hidden_store.HiddenStore(store).sequence(0)
+        ids = sequence["input_ids"][None]
+        aux = sequence["aux_hidden_states"].reshape(1, len(ids[0]), -1).float()
+        positions = torch.arange(ids.shape[1])[None]
+        with torch.no_grad():
+            reference = model.step(ids, aux, positions)[0]
+            served_logits = loaded.step(ids, aux, positions)[0]
+        if dtype == "float32":
+            assert torch.equal(reference, served_logits)
+        else:
+            torch.testing.assert_close(served_logits, reference, atol=0.1, rtol=0.05)
+        assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
