@@ -7,6 +7,8 @@ from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
+report: "report/workflow.rst"
+
 # The library lives in src/; make it importable here and in every job (scripts inherit the environment).
 SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
@@ -24,6 +26,7 @@ include: "rules/target.smk"
 include: "rules/data.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:
@@ -31,3 +34,5 @@ rule all:
         DRAFT_VOCAB,
         DISK_REPORT,
         SERVING_DIR,
+        expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),
+        f"{PLOTS}/acceptance_by_position.png",

@@ -25,6 +25,22 @@ TRAIN_SUMMARY = f"{RESULTS}/train/summary.json"
 TRAIN_METRICS = f"{RESULTS}/train/metrics.csv"
 CONFIG_SNAPSHOT = f"{RESULTS}/train/config_snapshot.yaml"
 SERVING_DIR = f"{RESULTS}/serving/drafter"
+EVAL_RESULTS = f"{RESULTS}/evaluation/{{prompt_set}}.json"
+PLOTS = f"{RESULTS}/report"
+
+
+def prompt_set_name(entry):
+    return entry if entry in ("held-out", "mtbench-package") else Path(entry).stem
+
+
+def prompt_file(wildcards):
+    for entry in config["evaluate"]["prompts"]:
+        if prompt_set_name(entry) == wildcards.prompt_set:
+            return EVAL_CONVERSATIONS if entry == "held-out" else workflow_config.resolve_input("evaluate.prompts", entry)
+    raise ValueError(f"unknown prompt set {wildcards.prompt_set}")
+
+
+PROMPT_SETS = [prompt_set_name(entry) for entry in config["evaluate"]["prompts"]]
 
 
 wildcard_constraints:

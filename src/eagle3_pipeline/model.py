@@ -143,6 +143,23 @@ class Attention(nn.Module):
             out = self._ttt_attention(q, k, v, key_padding, cache)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Inference with a KV cache: new rows attend to every cached row and causally to each other."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        groups = self.heads // self.kv_heads
+        cached = k.shape[2] - length
+        mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=cached)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
+                                             attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
+
     def _ttt_attention(self, q, k, v, key_padding, cache):
         scale = 1.0 / math.sqrt(self.head_dim)
         k0, v0 = cache[0]
@@ -218,6 +235,20 @@ class Drafter(nn.Module):
         cos, sin = self.rotary(positions, hidden.dtype)
         hidden = self.midlayer(embeds, hidden, cos, sin, key_padding, cache)
         return self.lm_head(self.norm(hidden)), hidden
+
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Inference step with a KV cache (what a server runs): returns (logits, pre-norm hidden, new cache)."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        layer = self.midlayer
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        attended, cache = layer.self_attn.decode(x, cos, sin, past)
+        hidden = hidden + attended
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.lm_head(self.norm(hidden)), hidden, cache
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,49 @@
+# Evaluation: speculative decoding with the exported drafter vs baselines, then plots for the report.
+
+
+rule evaluate:
+    input:
+        serving=SERVING_DIR,
+        target=TARGET_DIR,
+        prompts=prompt_file,
+    output:
+        report(
+            EVAL_RESULTS,
+            caption="../report/evaluation.rst",
+            category="Evaluation",
+            labels={"prompt set": "{prompt_set}", "kind": "results (JSON)"},
+        ),
+    params:
+        settings=config["evaluate"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
+    log:
+        f"{LOGS}/evaluate/{{prompt_set}}.log",
+    script:
+        "../scripts/evaluate.py"
+
+
+rule plots:
+    input:
+        evaluations=expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),
+        metrics=TRAIN_METRICS,
+        disk=DISK_REPORT,
+        config=CONFIG_SNAPSHOT,
+        target=TARGET_DIR,
+    output:
+        acceptance=report(f"{PLOTS}/acceptance_by_position.png", caption="../report/acceptance.rst",
+                          category="Evaluation", labels={"figure": "acceptance by position"}),
+        tau=report(f"{PLOTS}/tau_and_speedup.csv", caption="../report/tau.rst", category="Evaluation",
+                   labels={"figure": "tau and speedup table"}),
+        training=report(f"{PLOTS}/training_curves.png", caption="../report/training.rst", category="Training",
+                        labels={"figure": "loss and per-step accuracy"}),
+        disk=report(f"{PLOTS}/disk_plan_vs_actual.png", caption="../report/disk.rst", category="Disk",
+                    labels={"figure": "disk plan vs actual"}),
+        provenance=report(f"{PLOTS}/provenance.json", caption="../report/provenance.rst", category="Provenance",
+                          labels={"figure": "provenance"}),
+    log:
+        f"{LOGS}/plots.log",
+    script:
+        "../scripts/plots.py"

@@ -1,0 +1,310 @@
+"""Greedy speculative decoding with the HF target and the exported drafter: acceptance length and speed.
+
+Methods, all in one run on the same prompts: `target` (plain greedy, the speed baseline and the
+reference output), `eagle3` (our exported drafter), `eagle3-untrained` (same shape, random weights) and
+`prompt-lookup` (n-gram drafts copied from the context). Every speculative method must reproduce the
+target's greedy tokens exactly (lossless); a mismatch raises naming the prompt.
+
+Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
+prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
+The drafter keeps its own KV cache of real (target-feature) rows; chain rows are dropped after each verify.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model import Drafter
+
+
+class LosslessViolation(AssertionError):
+    pass
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class Trace:
+    prompt_id: str
+    method: str
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per verify step
+    target_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after the prefill (the bonus token included)."""
+        return len(self.tokens) / max(self.target_forwards, 1)
+
+
+# ---------------------------------------------------------------- prompts
+
+def load_prompts(path: Path, limit: int | None, multi_turn: bool = False) -> list[Prompt]:
+    """MT-bench `question.jsonl` (turns), held-out conversations (messages) or {"id", "prompt"} lines."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            prompt_id = str(record.get("question_id", record.get("id", index)))
+            if "turns" in record:
+                turns = record["turns"] if multi_turn else record["turns"][:1]
+                prompts.append(Prompt(prompt_id, [{"role": "user", "content": t} for t in turns]))
+            elif "messages" in record:
+                messages = record["messages"]
+                first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                prompts.append(Prompt(prompt_id, messages[:first_reply]))
+            elif "prompt" in record:
+                prompts.append(Prompt(prompt_id, [{"role": "user", "content": record["prompt"]}]))
+            else:
+                raise ValueError(f"{path} line {index + 1}: no 'turns', 'messages' or 'prompt'")
+            if limit and len(prompts) >= limit:
+                break
+    return prompts
+
+
+# ---------------------------------------------------------------- the target with aux capture
+
+class Target:
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int]):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        layers = model.get_decoder().layers
+        self.captured: dict[int, torch.Tensor] = {}
+        for slot, index in enumerate(aux_layer_ids):
+            layers[index - 1].register_forward_hook(self._hook(slot))
+
+    def _hook(self, slot: int):
+        def capture(_module, _inputs, output):
+            self.captured[slot] = output[0] if isinstance(output, tuple) else output
+        return capture
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] and aux features [n, 3H] for `tokens` appended to the cache."""
+        ids = torch.tensor([tokens], device=self.device)
+        output = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        aux = torch.cat([self.captured[s][0] for s in range(3)], dim=-1)
+        return output.logits[0], aux
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+
+def crop_cache(cache: Any, keep: int) -> None:
+    """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- decoding loops
+
+def greedy(target: Target, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
+    trace = Trace(prompt_id, "target", [])
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt_ids, cache)
+    token = int(logits[-1].argmax())
+    trace.tokens.append(token)
+    while len(trace.tokens) < max_new and token not in eos:
+        logits, _ = target.forward([token], cache)
+        trace.target_forwards += 1
+        token = int(logits[-1].argmax())
+        trace.tokens.append(token)
+    synchronize(target.device)
+    trace.total_seconds = trace.verify_seconds = time.perf_counter() - start
+    trace.target_forwards = max(trace.target_forwards, 1)
+    return trace
+
+
+DraftFn = Callable[[list[int], torch.Tensor, int], list[int]]
+
+
+class DrafterProposer:
+    """Chain drafts from an EAGLE-3 drafter, keeping its KV cache of real rows across verify steps."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.done = 0  # rows (f_t, x_{t+1}) already in the cache
+
+    def reset(self) -> None:
+        self.cache, self.done = None, 0
+
+    @torch.inference_mode()
+    def __call__(self, context: list[int], features: torch.Tensor, k: int) -> list[int]:
+        """context = tokens x_0..x_n (x_n not yet seen by the target); features = f_0..f_{n-1}."""
+        n = features.shape[0]
+        dtype = self.drafter.fc.weight.dtype
+        new_tokens = torch.tensor([context[self.done + 1: n + 1]], device=self.device)
+        positions = torch.arange(self.done, n, device=self.device)[None]
+        hidden = features[self.done:n][None].to(self.device, dtype)
+        logits, hidden, self.cache = self.drafter.decode(new_tokens, hidden, positions, self.cache)
+        self.done = n
+        real = self.cache
+        drafts = []
+        hidden = hidden[:, -1:]
+        token = self.drafter.draft_to_target(logits[0, -1].argmax())
+        for step in range(k):
+            drafts.append(int(token))
+            if step == k - 1:
+                break
+            # chain rows reuse the last real position, as in training-time test
+            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden,
+                                                             positions[:, -1:], self.cache)
+            token = self.drafter.draft_to_target(logits[0, -1].argmax())
+        self.cache = real  # chain rows are speculative; the next call appends the verified real rows
+        return drafts
+
+
+def prompt_lookup(max_ngram: int = 3) -> DraftFn:
+    """Drafts copied from the context after the most recent earlier match of its last n tokens."""
+    def propose(context: list[int], _features: torch.Tensor, k: int) -> list[int]:
+        for n in range(max_ngram, 0, -1):
+            if len(context) <= n:
+                continue
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start: start + n] == tail:
+                    follow = context[start + n: start + n + k]
+                    if follow:
+                        return follow
+        return []
+    return propose
+
+
+def speculative(target: Target, propose: DraftFn, prompt_ids: list[int], k: int, max_new: int, eos: set[int],
+                prompt_id: str, method: str) -> Trace:
+    trace = Trace(prompt_id, method, [])
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits, features = target.forward(prompt_ids, cache)
+    context = list(prompt_ids) + [int(logits[-1].argmax())]
+    trace.tokens.append(context[-1])
+    while len(trace.tokens) < max_new and context[-1] not in eos:
+        n = len(context) - 1  # rows the target has seen
+        tick = time.perf_counter()
+        drafts = propose(context, features, k)[:k]
+        synchronize(target.device)
+        middle = time.perf_counter()
+        logits, new_features = target.forward([context[-1]] + drafts, cache)
+        predictions = logits.argmax(-1).tolist()
+        synchronize(target.device)
+        trace.draft_seconds += middle - tick
+        trace.verify_seconds += time.perf_counter() - middle
+        trace.target_forwards += 1
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == predictions[accepted]:
+            accepted += 1
+        trace.accepted.append(accepted)
+        trace.drafted.append(len(drafts))
+        new = drafts[:accepted] + [predictions[accepted]]
+        crop_cache(cache, n + accepted + 1)
+        features = torch.cat([features, new_features[: accepted + 1]])
+        for token in new:
+            context.append(token)
+            trace.tokens.append(token)
+            if token in eos:
+                break
+    trace.tokens = trace.tokens[:max_new]
+    trace.total_seconds = time.perf_counter() - start
+    return trace
+
+
+# ---------------------------------------------------------------- summaries
+
+def acceptance_by_position(traces: list[Trace], k: int) -> list[float]:
+    """P(draft i accepted | drafts before it accepted), i = 1..k."""
+    reached, accepted = np.zeros(k), np.zeros(k)
+    for trace in traces:
+        for got, offered in zip(trace.accepted, trace.drafted, strict=True):
+            for i in range(min(got + 1, offered)):
+                reached[i] += 1
+                accepted[i] += i < got
+    return [float(a / r) if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
+
+
+def summarise(traces: list[Trace], baseline: list[Trace], k: int) -> dict[str, Any]:
+    tokens = sum(len(t.tokens) for t in traces)
+    seconds = sum(t.total_seconds for t in traces)
+    base_rate = sum(len(t.tokens) for t in baseline) / max(sum(t.total_seconds for t in baseline), 1e-9)
+    forwards = sum(t.target_forwards for t in traces)
+    return {
+        "prompts": len(traces), "tokens": tokens, "k": k,
+        "tau": tokens / max(forwards, 1),
+        "acceptance_by_position": acceptance_by_position(traces, k),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "speedup_vs_target": tokens / max(seconds, 1e-9) / base_rate,
+        "draft_seconds": sum(t.draft_seconds for t in traces),
+        "verify_seconds": sum(t.verify_seconds for t in traces),
+    }
+
+
+def check_lossless(trace: Trace, reference: Trace) -> None:
+    if trace.tokens != reference.tokens:
+        at = next((i for i, (a, b) in enumerate(zip(trace.tokens, reference.tokens, strict=False)) if a != b),
+                  min(len(trace.tokens), len(reference.tokens)))
+        raise LosslessViolation(f"prompt {trace.prompt_id}: {trace.method} output differs from the target's greedy "
+                                f"output at token {at}")
+
+
+def run(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
+        max_new: int, log: Any) -> dict[str, Any]:
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    encoded = [(p.prompt_id, tokenizer.apply_chat_template(p.messages, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False)) for p in prompts]
+    encoded = [(pid, list(ids["input_ids"] if isinstance(ids, dict) else ids)) for pid, ids in encoded]
+    # Warm-up so the first timed prompt does not pay for lazy initialisation.
+    greedy(target, encoded[0][1], 4, eos, "warmup")
+    reference = {pid: greedy(target, ids, max_new, eos, pid) for pid, ids in encoded}
+    results: dict[str, Any] = {"target": {"tokens_per_s": sum(len(t.tokens) for t in reference.values())
+                                          / sum(t.total_seconds for t in reference.values()),
+                                          "prompts": len(reference)}}
+    all_traces = list(reference.values())
+    for k in ks:
+        methods: dict[str, DraftFn] = {"prompt-lookup": prompt_lookup()}
+        for name, drafter in drafters.items():
+            if name.endswith("untrained") and k != ks[0]:
+                continue  # a baseline near tau=1: one draft length is enough
+            methods[name] = DrafterProposer(drafter)
+        for name, propose in methods.items():
+            traces = []
+            for pid, ids in encoded:
+                if isinstance(propose, DrafterProposer):
+                    propose.reset()
+                trace = speculative(target, propose, ids, k, max_new, eos, pid, f"{name}@k={k}")
+                check_lossless(trace, reference[pid])
+                traces.append(trace)
+            results[f"{name}@k={k}"] = summarise(traces, list(reference.values()), k)
+            log.info("%s k=%d: tau %.3f, acceptance by position %s, %.1f tokens/s, speedup %.2fx", name, k,
+                     results[f"{name}@k={k}"]["tau"],
+                     [round(a, 3) for a in results[f"{name}@k={k}"]["acceptance_by_position"]],
+                     results[f"{name}@k={k}"]["tokens_per_s"], results[f"{name}@k={k}"]["speedup_vs_target"])
+            all_traces += traces
+    return {"summary": results, "traces": [asdict(t) | {"tau": t.tau} for t in all_traces]}

@@ -1,0 +1,92 @@
+"""Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .train import read_metrics  # noqa: E402
+
+
+def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
+    sets = list(evaluations)
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
+    for ax, name in zip(axes[0], sets, strict=True):
+        for method, values in evaluations[name]["summary"].items():
+            rates = values.get("acceptance_by_position")
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{method} (tau {values['tau']:.2f})")
+        ax.set(title=f"Acceptance by draft position: {name}", xlabel="draft position", ylabel="acceptance rate",
+               ylim=(0, 1))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def tau_table(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
+    with open(out, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["prompt_set", "method", "tau", "tokens_per_s", "speedup_vs_target", "prompts"])
+        for name, result in evaluations.items():
+            for method, values in result["summary"].items():
+                writer.writerow([name, method, f"{values.get('tau', 1.0):.3f}", f"{values['tokens_per_s']:.1f}",
+                                 f"{values.get('speedup_vs_target', 1.0):.3f}", values["prompts"]])
+
+
+def training_figure(metrics_path: Path, out: Path) -> None:
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    ttt = sum(1 for key in rows[0] if key.startswith("acc_"))
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    loss_ax.plot(steps, [r["loss"] for r in rows])
+    loss_ax.set(title="Training loss (weighted over TTT steps)", xlabel="step", ylabel="loss")
+    for k in range(ttt):
+        acc_ax.plot(steps, [r[f"acc_{k}"] for r in rows], label=f"TTT step {k}")
+    acc_ax.set(title="Top-1 accuracy vs the target, per TTT step", xlabel="step", ylabel="accuracy", ylim=(0, 1))
+    acc_ax.legend(fontsize=8)
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def disk_figure(disk_report: dict[str, Any], out: Path) -> None:
+    shards = list(disk_report["shards"])
+    planned = [disk_report["shards"][s]["planned_bytes"] / 1e6 for s in shards]
+    actual = [disk_report["shards"][s]["actual_bytes"] / 1e6 for s in shards]
+    fig, ax = plt.subplots(figsize=(max(6, len(shards) * 0.6), 4))
+    positions = range(len(shards))
+    ax.bar([p - 0.2 for p in positions], planned, width=0.4, label="planned")
+    ax.bar([p + 0.2 for p in positions], actual, width=0.4, label="actual")
+    ax.set_xticks(list(positions), [s.replace(".zarr", "") for s in shards], rotation=45, fontsize=7)
+    ax.set(title=f"Hidden-state stores: actual/planned = {disk_report['actual_over_planned']:.3f}", ylabel="MB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def provenance(config_snapshot: Path, target_dir: Path) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import yaml
+
+    packages = {}
+    for name in ("eagle3-pipeline", "snakemake", "torch", "transformers", "zarr", "numcodecs", "safetensors",
+                 "tokenizers", "gguf"):
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            packages[name] = None
+    identity = json.loads((Path(target_dir) / "identity.json").read_text())
+    return {"config": yaml.safe_load(Path(config_snapshot).read_text()), "target": identity, "packages": packages}

@@ -1,0 +1,94 @@
+"""Speculative decoding: lossless equality, tau arithmetic, per-position rates, baselines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_pipeline import evaluate, export
+from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise
+from eagle3_pipeline.model import Drafter
+from eagle3_pipeline.target import load_model
+from eagle3_pipeline.train import TrainSettings, read_target_head, train
+
+from .tiny_models import tiny_target_with_store
+
+
+def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
+    # k=3; verify steps accepted 3, 1, 0, 2 drafts (each adds accepted + 1 bonus token)
+    trace = Trace("p", "m", tokens=list(range(1 + 4 + 2 + 1 + 3)), accepted=[3, 1, 0, 2], drafted=[3, 3, 3, 3],
+                  target_forwards=4)
+    # position 1 reached 4 times, accepted 3; position 2 reached 3, accepted 2; position 3 reached 2, accepted 1
+    assert acceptance_by_position([trace], 3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    baseline = Trace("p", "target", tokens=list(range(11)), target_forwards=11, total_seconds=2.0)
+    trace.total_seconds = 1.0
+    summary = summarise([trace], [baseline], 3)
+    assert summary["tau"] == pytest.approx(11 / 4)
+    assert summary["speedup_vs_target"] == pytest.approx(2.0)
+
+
+def test_prompt_lookup_copies_what_followed_the_last_match():
+    propose = prompt_lookup(max_ngram=3)
+    context = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert propose(context, torch.zeros(0), 3) == [8, 9, 1]
+    assert propose([1, 2, 3], torch.zeros(0), 3) == []
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    target_dir, store, vocab_path = tiny_target_with_store(tmp)
+    model = train([store], target_dir, vocab_path, tmp / "state",
+                  TrainSettings(ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256,
+                                max_seq_len=64, checkpoint_every=100, log_every=5, num_workers=0, device="cpu"))
+    export.export(model, tmp / "serving", dtype="float32")
+    embedding, _ = read_target_head(target_dir)
+    drafter = export.load(tmp / "serving", embedding=embedding.float())
+    target = evaluate.Target(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
+    return target, drafter, store
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_every_method_is_lossless(trained, k):
+    target, drafter, store = trained
+    from eagle3_pipeline.hidden_store import HiddenStore
+
+    prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
+    torch.manual_seed(0)
+    untrained = Drafter(drafter.config)
+    untrained.load_state_dict({k_: v for k_, v in drafter.state_dict().items()
+                               if k_.startswith("embed_tokens") or k_ in ("d2t", "t2d")}, strict=False)
+    proposers = {"eagle3": evaluate.DrafterProposer(drafter), "untrained": evaluate.DrafterProposer(untrained.eval()),
+                 "prompt-lookup": prompt_lookup()}
+    taus = {}
+    for name, propose in proposers.items():
+        traces = []
+        for i, ids in enumerate(prompts):
+            reference = evaluate.greedy(target, ids, 40, set(), str(i))
+            if isinstance(propose, evaluate.DrafterProposer):
+                propose.reset()
+            trace = evaluate.speculative(target, propose, ids, k, 40, set(), str(i), name)
+            evaluate.check_lossless(trace, reference)
+            assert len(trace.tokens) == 40
+            traces.append(trace)
+        taus[name] = sum(len(t.tokens) for t in traces) / sum(t.target_forwards for t in traces)
+    # the motif data is learnable: the trained drafter beats the untrained one
+    if k > 1:
+        assert taus["eagle3"] > taus["untrained"]
+
+
+def test_a_mismatch_names_the_prompt():
+    with pytest.raises(evaluate.LosslessViolation, match="prompt q7"):
+        evaluate.check_lossless(Trace("q7", "eagle3@k=4", [1, 2, 3]), Trace("q7", "target", [1, 2, 4]))
+
+
+def test_prompt_files(tmp_path):
+    mt = tmp_path / "q.jsonl"
+    mt.write_text('{"question_id": 81, "turns": ["a", "b"]}\n{"question_id": 82, "turns": ["c", "d"]}\n')
+    assert [p.messages for p in evaluate.load_prompts(mt, None)] == [[{"role": "user", "content": "a"}],
+                                                                     [{"role": "user", "content": "c"}]]
+    assert len(evaluate.load_prompts(mt, 1, multi_turn=True)[0].messages) == 2
+    held = tmp_path / "eval.jsonl"
+    held.write_text('{"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},'
+                    ' {"role": "assistant", "content": "r"}]}\n')
+    assert [m["role"] for m in evaluate.load_prompts(held, None)[0].messages] == ["system", "user"]
