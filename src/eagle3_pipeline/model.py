@@ -74,6 +74,9 @@ class DrafterConfig:
         return asdict(self)
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, kv_heads, T, head_dim]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -144,7 +147,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         """Inference with a KV cache: new rows attend to every cached row and causally to each other."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
@@ -237,7 +240,7 @@ class Drafter(nn.Module):
         return self.lm_head(self.norm(hidden)), hidden
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past: tuple[torch.Tensor, torch.Tensor] | None = None):
+               past: KVCache | None = None):
         """Inference step with a KV cache (what a server runs): returns (logits, pre-norm hidden, new cache)."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
