@@ -43,6 +43,8 @@ rule plots:
                     labels={"figure": "disk plan vs actual"}),
         provenance=report(f"{PLOTS}/provenance.json", caption="../report/provenance.rst", category="Provenance",
                           labels={"figure": "provenance"}),
+    params:
+        full_config=config,
     log:
         f"{LOGS}/plots.log",
     script:

@@ -14,7 +14,8 @@ rule train:
     params:
         settings=config["train"],
         state_dir=TRAIN_STATE,
-        full_config=config,
+        # only what shapes the drafter: editing e.g. `evaluate` must not retrain
+        provenance={key: config[key] for key in ("target", "data", "vocab", "extract", "train")},
     threads: config["train"]["threads"]
     resources:
         gpu=config["train"]["gpus"],

@@ -13,5 +13,6 @@ plots.tau_table(evaluations, Path(snakemake.output.tau))
 plots.training_figure(Path(snakemake.input.metrics), Path(snakemake.output.training))
 plots.disk_figure(json.loads(Path(snakemake.input.disk).read_text()), Path(snakemake.output.disk))
 Path(snakemake.output.provenance).write_text(
-    json.dumps(plots.provenance(Path(snakemake.input.config), Path(snakemake.input.target)), indent=2))
+    json.dumps(plots.provenance(dict(snakemake.params.full_config), Path(snakemake.input.config),
+                                Path(snakemake.input.target)), indent=2))
 log.info("wrote %s", ", ".join(snakemake.output))

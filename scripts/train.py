@@ -13,7 +13,7 @@ from eagle3_pipeline import train_main
 
 snakemake = globals()["snakemake"]
 torch.set_num_threads(snakemake.threads)
-Path(snakemake.output.config).write_text(yaml.safe_dump(dict(snakemake.params.full_config), sort_keys=False))
+Path(snakemake.output.config).write_text(yaml.safe_dump(dict(snakemake.params.provenance), sort_keys=False))
 args = {
     "stores": list(snakemake.input.stores), "target": snakemake.input.target, "vocab": snakemake.input.vocab,
     "state_dir": snakemake.params.state_dir, "settings": dict(snakemake.params.settings),

@@ -76,7 +76,7 @@ def disk_figure(disk_report: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-def provenance(config_snapshot: Path, target_dir: Path) -> dict[str, Any]:
+def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     import yaml
@@ -89,4 +89,5 @@ def provenance(config_snapshot: Path, target_dir: Path) -> dict[str, Any]:
         except PackageNotFoundError:
             packages[name] = None
     identity = json.loads((Path(target_dir) / "identity.json").read_text())
-    return {"config": yaml.safe_load(Path(config_snapshot).read_text()), "target": identity, "packages": packages}
+    return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
+            "target": identity, "packages": packages}
