@@ -8,7 +8,7 @@ stage=$1 out=$2
 export PYTHONPATH=/opt/e3/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 run=results/smollm2-gpu
 smk=(python3 -m snakemake --configfile config/examples/gpu-smollm2.yaml ${DEVICE_CONFIG:-} --cores 16
-     --resources gpu=1 --scheduler greedy --rerun-incomplete)
+     --resources gpu=${GPUS:-1} --scheduler greedy --rerun-incomplete)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $stage in
   pipeline)
@@ -17,7 +17,7 @@ case $stage in
     echo "snakemake exit $?"; tail -5 "$out/pipeline.log"; grep -E "Elapsed \(wall" "$out/pipeline.log"
     ;;
   evaluate)
-    "${smk[@]}" > "$out/evaluate.log" 2>&1; echo "snakemake exit $?"; tail -5 "$out/evaluate.log"
+    timeout ${EVAL_TIMEOUT:-520} "${smk[@]}" > "$out/evaluate.log" 2>&1; echo "snakemake exit $?"; tail -5 "$out/evaluate.log"
     "${smk[@]}" --report "$out/report.html" >> "$out/evaluate.log" 2>&1
     ;;
   bench)
