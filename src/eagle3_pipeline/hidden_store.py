@@ -224,16 +224,8 @@ class HiddenStore:
 def validate(path: Path) -> dict[str, Any]:
     """Raise InvalidStore unless the store is complete and internally consistent; return its attrs."""
     path = Path(path)
-    if not path.is_dir():
-        raise InvalidStore(f"{path}: hidden-state store does not exist")
-    try:
-        group = zarr_io.open_readonly(path)
-        attrs = dict(group.attrs)
-    except Exception as exc:
-        raise InvalidStore(f"{path}: not a readable zarr group ({exc})") from exc
-    if attrs.get("format") != FORMAT or attrs.get("complete") is not True:
-        raise InvalidStore(f"{path}: not a complete hidden-state store (format={attrs.get('format')}, "
-                           f"complete={attrs.get('complete')}); rerun its extract job")
+    group, attrs = zarr_io.open_complete(path, FORMAT, "hidden-state store", InvalidStore,
+                                         hint="; rerun its extract job")
     num_tokens, hidden = attrs["num_tokens"], attrs["hidden_size"]
     expected_shapes = {"aux_hidden_states": (num_tokens, 3, hidden), "last_hidden_states": (num_tokens, hidden),
                        "input_ids": (num_tokens,), "loss_mask": (num_tokens,),

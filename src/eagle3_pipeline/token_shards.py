@@ -90,16 +90,7 @@ def read_attrs(path: Path) -> dict[str, Any]:
 
 
 def validate(path: Path) -> dict[str, Any]:
-    if not Path(path).is_dir():
-        raise InvalidTokenShard(f"{path}: token shard does not exist")
-    try:
-        group = zarr_io.open_readonly(path)
-        attrs = dict(group.attrs)
-    except Exception as exc:
-        raise InvalidTokenShard(f"{path}: not a readable zarr group ({exc})") from exc
-    if attrs.get("format") != FORMAT or not attrs.get("complete"):
-        raise InvalidTokenShard(f"{path}: not a complete token shard (format={attrs.get('format')}, "
-                                f"complete={attrs.get('complete')})")
+    group, attrs = zarr_io.open_complete(path, FORMAT, "token shard", InvalidTokenShard)
     offsets = group["seq_offsets"][...]
     problems = []
     if len(offsets) != attrs["num_sequences"] + 1 or group["sample_ids"].shape[0] != attrs["num_sequences"]:

@@ -303,7 +303,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         start = checkpoint["step"]
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
-        truncate_metrics(metrics_path, start, settings.ttt_steps)
+        truncate_metrics(metrics_path, start)
     objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay)
     if distributed:
         objective = torch.nn.parallel.DistributedDataParallel(objective)
@@ -399,7 +399,7 @@ def append_metrics(path: Path, row: dict[str, float]) -> None:
         writer.writerow(row)
 
 
-def truncate_metrics(path: Path, step: int, ttt_steps: int) -> None:
+def truncate_metrics(path: Path, step: int) -> None:
     """Drop metric rows logged after the checkpoint being resumed (they will be logged again)."""
     if not path.exists():
         return

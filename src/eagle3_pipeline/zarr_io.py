@@ -73,5 +73,21 @@ def open_readonly(path: Path) -> zarr.Group:
     return zarr.open_group(str(path), mode="r")
 
 
+def open_complete(path: Path, expected_format: str, what: str, error: type[Exception],
+                  hint: str = "") -> tuple[zarr.Group, dict[str, Any]]:
+    """Open a store of `expected_format` whose `complete` attr is set, or raise `error` saying why."""
+    if not Path(path).is_dir():
+        raise error(f"{path}: {what} does not exist")
+    try:
+        group = open_readonly(path)
+        found = dict(group.attrs)
+    except Exception as exc:
+        raise error(f"{path}: not a readable zarr group ({exc})") from exc
+    if found.get("format") != expected_format or found.get("complete") is not True:
+        raise error(f"{path}: not a complete {what} (format={found.get('format')}, "
+                    f"complete={found.get('complete')}){hint}")
+    return group, found
+
+
 def attrs(path: Path) -> dict[str, Any]:
     return dict(open_readonly(path).attrs)
