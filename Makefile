@@ -19,6 +19,7 @@ setup: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
+	$(BIN)/snakemake --report report.html
 
 dry-run: $(STAMP)
 	$(BIN)/snakemake -n
