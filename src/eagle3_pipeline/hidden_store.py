@@ -182,9 +182,11 @@ class StoreWriter:
         zarr_io.commit(self.partial, self.final)
 
     def abort(self) -> None:
-        for _, future in self.pending:
-            future.cancel()
-        self.pool.shutdown(wait=True)
+        """On an error elsewhere: let submitted shard writes land and record them, so a rerun resumes after them."""
+        try:
+            self._retire(block_when_over=0)
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 def _jsonable(value: Any) -> Any:
