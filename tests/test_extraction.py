@@ -208,3 +208,30 @@ def test_backend_info_attrs():
     info = BackendInfo("hf", "1", (2, 15, 27), 576, 30)
     assert info.as_attrs() == {"backend_name": "hf", "backend_version": "1", "aux_layer_ids": [2, 15, 27],
                                "hidden_size": 576, "num_layers": 30, "final_norm": "post"}
+
+
+def test_direct_shard_bytes_equal_zarr(tmp_path):
+    """Our whole-shard encoder writes exactly the bytes zarr writes, and zarr reads them back."""
+    import zarr
+
+    from eagle3_pipeline import zarr_io
+
+    layout = hidden_store.Layout.for_hidden_size(32, shard_bytes=8 << 20)
+    assert layout.rows_per_shard >= 4 * layout.chunk_rows
+    rows = 2 * layout.rows_per_shard + layout.chunk_rows + 5  # a short last shard with a partial chunk
+    rng = np.random.default_rng(0)
+    data = hidden_store.bf16_to_u16(torch.from_numpy(rng.standard_normal((rows, 3, 32), dtype=np.float32)))
+    data[layout.chunk_rows: 2 * layout.chunk_rows] = 0  # an all-fill chunk is left out, as zarr does
+    arrays = {}
+    for name in ("by_zarr", "direct"):
+        group = zarr.open_group(str(tmp_path / f"{name}.zarr"), mode="w")
+        arrays[name] = group.create_array("a", shape=data.shape, dtype="uint16", chunks=(layout.chunk_rows, 3, 32),
+                                          shards=(layout.rows_per_shard, 3, 32), compressors=zarr_io.blosc(2))
+    arrays["by_zarr"][...] = data
+    for shard in range(-(-rows // layout.rows_per_shard)):
+        block = data[shard * layout.rows_per_shard: (shard + 1) * layout.rows_per_shard]
+        payload = zarr_io.encode_whole_shard(block, layout.chunk_rows, layout.rows_per_shard)
+        zarr_io.write_whole_shard(tmp_path / "direct.zarr" / "a", shard, 2, payload)
+        key = f"a/c/{shard}/0/0"
+        assert (tmp_path / "direct.zarr" / key).read_bytes() == (tmp_path / "by_zarr.zarr" / key).read_bytes()
+    assert np.array_equal(zarr.open_array(str(tmp_path / "direct.zarr" / "a"), mode="r")[...], data)

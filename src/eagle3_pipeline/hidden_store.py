@@ -78,7 +78,6 @@ class StoreWriter:
         if self.rows_written == 0:
             self._create(sequences)
         self.group = zarr.open_group(str(self.partial), mode="r+")
-        self.arrays = {name: self.group[name] for name in HIDDEN_ARRAYS}
         self.buffer_start = self.rows_written
         self.buffers: dict[str, list[np.ndarray]] = {name: [] for name in HIDDEN_ARRAYS}
         self.buffered = 0
@@ -154,8 +153,11 @@ class StoreWriter:
         self._retire(block_when_over=2 * self.writer_threads)
 
     def _write_block(self, start: int, end: int, block: dict[str, np.ndarray]) -> None:
+        """Runs in a writer thread: encode and write one whole zarr shard of every hidden array."""
+        shard = start // self.layout.rows_per_shard
         for name, data in block.items():
-            self.arrays[name][start:end] = data
+            payload = zarr_io.encode_whole_shard(data, self.layout.chunk_rows, self.layout.rows_per_shard)
+            zarr_io.write_whole_shard(self.partial / name, shard, data.ndim - 1, payload)
 
     def _retire(self, block_when_over: int) -> None:
         """Record progress for the finished prefix of writes; wait if too many are in flight."""
