@@ -62,7 +62,8 @@ def current_plan():
 
 
 def hidden_store_mb(wildcards):
-    return max(1, current_plan().stages[-1].shard_bytes(wildcards.shard) // 1_000_000)
+    hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
+    return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000) if hidden else 1
 
 
 def is_dry_run():
