@@ -159,18 +159,6 @@ class DiskPlan:
                    f"{human_bytes(self.pending)} -> {verdict}")
         return out
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "free_bytes": self.free, "pending_bytes": self.pending, "fits": self.fits,
-            "stages": {s.stage: {"tokens": s.tokens, "raw_bytes_per_token": s.raw_bytes_per_token,
-                                 "expected_bytes_per_token": s.expected_bytes_per_token,
-                                 "total_bytes": s.total_bytes, "source": s.source,
-                                 "shards": {p.name: {"tokens": p.tokens, "exact": p.exact,
-                                                     "planned_bytes": int(p.tokens * s.expected_bytes_per_token)}
-                                            for p in s.shards}}
-                       for s in self.stages},
-        }
-
 
 def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], data: dict[str, Any],
           hidden_size: int | None, compression: float, results_dir: Path) -> DiskPlan:

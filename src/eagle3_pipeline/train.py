@@ -10,7 +10,6 @@ assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import os
@@ -426,7 +425,3 @@ def summary(metrics_path: Path, ttt_steps: int) -> dict[str, Any]:
 def settings_from_config(config: dict[str, Any]) -> TrainSettings:
     known = TrainSettings.__dataclass_fields__
     return TrainSettings(**{k: v for k, v in config.items() if k in known})
-
-
-def write_json(path: Path, value: Any) -> None:
-    Path(path).write_text(json.dumps(value, indent=2, default=str))
