@@ -16,9 +16,10 @@ import zarr
 from zarr.codecs import BloscCodec, BloscShuffle
 
 BLOSC_BLOCKSIZE = 1 << 20  # 1 MiB: Blosc's automatic block size loses ~15% of the ratio on activations
+BLOSC_CNAME, BLOSC_CLEVEL = "zstd", 1  # one definition for zarr's metadata and our own shard encoder
 
 
-def blosc(typesize: int, clevel: int = 1, cname: str = "zstd", shuffle: str = "shuffle") -> BloscCodec:
+def blosc(typesize: int, clevel: int = BLOSC_CLEVEL, cname: str = BLOSC_CNAME, shuffle: str = "shuffle") -> BloscCodec:
     return BloscCodec(cname=cname, clevel=clevel, shuffle=BloscShuffle(shuffle), typesize=typesize,
                       blocksize=BLOSC_BLOCKSIZE)
 
@@ -26,7 +27,7 @@ def blosc(typesize: int, clevel: int = 1, cname: str = "zstd", shuffle: str = "s
 EMPTY_CHUNK = np.iinfo(np.uint64).max
 
 
-def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int, clevel: int = 1) -> list[bytes]:
+def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -> list[bytes]:
     """One zarr v3 `sharding_indexed` shard file for rows [0, len(data)) of a shard, encoded here.
 
     zarr's own write path runs every chunk through one event loop and reaches ~0.25 GB/s whatever the
@@ -38,7 +39,8 @@ def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int, c
     import google_crc32c
     from numcodecs import Blosc
 
-    codec = Blosc(cname="zstd", clevel=clevel, shuffle=Blosc.SHUFFLE, blocksize=BLOSC_BLOCKSIZE)
+    # must match blosc(typesize=2), the codec the hidden arrays declare in their zarr.json
+    codec = Blosc(cname=BLOSC_CNAME, clevel=BLOSC_CLEVEL, shuffle=Blosc.SHUFFLE, blocksize=BLOSC_BLOCKSIZE)
     chunks_per_shard = rows_per_shard // chunk_rows
     index = np.full((chunks_per_shard, 2), EMPTY_CHUNK, dtype="<u8")
     pieces, offset = [], 0
