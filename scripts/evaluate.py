@@ -7,7 +7,6 @@ import torch
 
 from eagle3_pipeline import evaluate, export, logs, target
 from eagle3_pipeline.backends.hf import pick_device
-from eagle3_pipeline.model import Drafter
 from eagle3_pipeline.train import read_target_head
 
 snakemake = globals()["snakemake"]
@@ -23,11 +22,7 @@ embedding, _ = read_target_head(target_dir)
 drafter = export.load(Path(snakemake.input.serving), embedding=embedding.float(), dtype=dtype).to(device)
 drafters = {"eagle3": drafter}
 if settings["untrained_baseline"]:
-    torch.manual_seed(0)
-    untrained = Drafter(drafter.config)
-    untrained.load_state_dict({k: v for k, v in drafter.state_dict().items()
-                               if k.startswith("embed_tokens") or k in ("d2t", "t2d")}, strict=False)
-    drafters["eagle3-untrained"] = untrained.to(device, dtype).eval()
+    drafters["eagle3-untrained"] = evaluate.untrained_like(drafter)
 prompts = evaluate.load_prompts(Path(snakemake.input.prompts), settings["max_prompts"], settings["multi_turn"])
 log.info("evaluating %d prompts from %s on %s (%s), k in %s", len(prompts), snakemake.input.prompts, device,
          settings["dtype"], settings["draft_lengths"])

@@ -7,7 +7,6 @@ import torch
 
 from eagle3_pipeline import evaluate, export
 from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise
-from eagle3_pipeline.model import Drafter
 from eagle3_pipeline.target import load_model
 from eagle3_pipeline.train import TrainSettings, read_target_head, train
 
@@ -54,11 +53,8 @@ def test_every_method_is_lossless(trained, k):
     from eagle3_pipeline.hidden_store import HiddenStore
 
     prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
-    torch.manual_seed(0)
-    untrained = Drafter(drafter.config)
-    untrained.load_state_dict({k_: v for k_, v in drafter.state_dict().items()
-                               if k_.startswith("embed_tokens") or k_ in ("d2t", "t2d")}, strict=False)
-    proposers = {"eagle3": evaluate.DrafterProposer(drafter), "untrained": evaluate.DrafterProposer(untrained.eval()),
+    untrained = evaluate.untrained_like(drafter)
+    proposers = {"eagle3": evaluate.DrafterProposer(drafter), "untrained": evaluate.DrafterProposer(untrained),
                  "prompt-lookup": prompt_lookup()}
     taus = {}
     for name, propose in proposers.items():

@@ -237,6 +237,15 @@ def speculative(target: Target, propose: DraftFn, prompt_ids: list[int], k: int,
     return trace
 
 
+def untrained_like(drafter: Drafter, seed: int = 0) -> Drafter:
+    """The same drafter shape with fresh random weights, sharing the embedding and the vocab mapping."""
+    torch.manual_seed(seed)
+    untrained = Drafter(drafter.config)
+    untrained.load_state_dict({k: v for k, v in drafter.state_dict().items()
+                               if k.startswith("embed_tokens") or k in ("d2t", "t2d")}, strict=False)
+    return untrained.to(next(drafter.parameters()).device, drafter.fc.weight.dtype).eval()
+
+
 # ---------------------------------------------------------------- summaries
 
 def acceptance_by_position(traces: list[Trace], k: int) -> list[float]:
