@@ -24,6 +24,7 @@ validate(config, "config/schema.yaml")
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/data.smk"
+include: "rules/regenerate.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"

@@ -14,6 +14,9 @@ TARGET_DIR = f"{RESULTS}/target"
 CONVERSATION_SHARD = f"{RESULTS}/conversations/shard-{{shard}}.jsonl"
 EVAL_CONVERSATIONS = f"{RESULTS}/conversations/eval.jsonl"
 INGEST_REPORT = f"{RESULTS}/conversations/ingest_report.json"
+REGENERATED_SHARD = f"{RESULTS}/regenerated/shard-{{shard}}.jsonl"
+# What tokenize reads: the target's own replies when regeneration is on, the ingested ones otherwise.
+TRAINING_CONVERSATIONS = REGENERATED_SHARD if config["regenerate"]["enabled"] else CONVERSATION_SHARD
 TOKEN_SHARD = f"{RESULTS}/tokens/shard-{{shard}}.zarr"
 DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.safetensors"
 VOCAB_STATS = f"{RESULTS}/vocab/data_stats.json"

@@ -18,7 +18,7 @@ rule ingest:
 
 rule tokenize:
     input:
-        conversations=CONVERSATION_SHARD,
+        conversations=TRAINING_CONVERSATIONS,
         target=TARGET_DIR,
     output:
         directory(TOKEN_SHARD),

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import token_shards, vocab
+from eagle3_pipeline import conversations, token_shards, vocab
 
 from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
 
@@ -129,3 +129,25 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
                           if m["role"] == "assistant")
         assert tokenizer.decode(ids[mask.astype(bool)]) == replies
         assert np.all(ids >= 0)
+
+
+def test_regenerated_replies_feed_tokenize(tmp_path, target_dir):
+    config, expected = tiny_config(tmp_path, target_dir, shards=2, train_conversations=6)
+    config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 8, "batch_size": 8,
+                            "device": "cpu", "dtype": "float32"}
+    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")
+    results = tmp_path / "results" / "tiny"
+    original = {c["id"]: c for c in conversations.read_jsonl(results / "conversations" / "shard-00000.jsonl")}
+    regenerated = conversations.read_jsonl(results / "regenerated" / "shard-00000.jsonl")
+    assert [c["id"] for c in regenerated] == list(original)
+    for conversation in regenerated:
+        replies = [m["content"] for m in conversation["messages"] if m["role"] == "assistant"]
+        assert replies and "interesting" not in " ".join(replies)  # the dataset's own answers are gone
+        source = original[conversation["id"]]["messages"]
+        assert [m for m in conversation["messages"] if m["role"] == "user"] == \
+            [m for m in source if m["role"] == "user"][: sum(m["role"] == "user" for m in conversation["messages"])]
+    shard = token_shards.read(results / "tokens" / "shard-00000.zarr")
+    assert shard.attrs["conversations_in"] == len(regenerated) == 3
+    log = (tmp_path / "logs" / "tiny" / "regenerate" / "shard-00000.log").read_text()
+    assert "tokens/s" in log and "engine: HF generate on cpu" in log
+    assert not (results / "regenerated" / "shard-00000.jsonl.progress.jsonl").exists()

@@ -45,10 +45,12 @@ def template_hash(tokenizer: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool,
+           **template_kwargs: Any) -> str:
+    """The chat template's text; `template_kwargs` reach the template (e.g. `enable_thinking`)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
     except Exception as exc:  # jinja raises TemplateError, ValueError, ... depending on the template
         raise TemplateError(f"chat template failed: {exc}") from exc
 

@@ -1,0 +1,21 @@
+# Optional: the target rewrites every assistant turn (per shard, resumable). Tokenize reads the result.
+
+
+rule regenerate:
+    input:
+        conversations=CONVERSATION_SHARD,
+        target=TARGET_DIR,
+    output:
+        REGENERATED_SHARD,
+    params:
+        regenerate=config["regenerate"],
+        max_seq_len=config["data"]["max_seq_len"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] == "hf" else 0,
+        mem_mb=8000,
+    log:
+        f"{LOGS}/regenerate/shard-{{shard}}.log",
+    script:
+        "../scripts/regenerate.py"

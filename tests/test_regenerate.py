@@ -1,0 +1,231 @@
+"""Regeneration: the target's own replies (HF engine on the real SmolLM2), resume, and the server engine's
+retries/timeouts/rejections against a real local HTTP server. The llama.cpp server test is opt-in."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline import assets, conversations, regenerate, target
+from eagle3_pipeline.tokenization import render
+
+LOG = logging.getLogger("test")
+
+CHATS = [
+    {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"},
+                             {"role": "assistant", "content": "Paris."},
+                             {"role": "user", "content": "And of Italy?"},
+                             {"role": "assistant", "content": "Rome."}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Answer in one word."},
+                             {"role": "user", "content": "Name a colour."},
+                             {"role": "assistant", "content": "Blue."}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Say hello."},
+                             {"role": "assistant", "content": "Hello!"},
+                             {"role": "user", "content": "Now count to three."}]},  # trailing user turn
+]
+
+
+def settings(**overrides) -> regenerate.Settings:
+    return regenerate.Settings(**{"max_new_tokens": 10, "batch_size": 2, "max_context_tokens": 512,
+                                  "device": "cpu", "dtype": "float32", **overrides})
+
+
+def word_count(history):
+    return sum(len(message["content"].split()) + 4 for message in history)
+
+
+def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, target_dir):
+    engine = regenerate.HFEngine(target_dir, settings())
+    kept, counts = regenerate.regenerate_conversations(
+        CHATS, engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+    assert [c["id"] for c in kept] == ["a", "b", "c"] and counts["kept"] == 3
+    for original, new in zip(CHATS, kept, strict=True):
+        kept_turns = [m for m in new["messages"] if m["role"] != "assistant"]
+        assert kept_turns == [m for m in original["messages"] if m["role"] != "assistant"]
+        assert new["messages"][-1]["role"] == "assistant"
+        assert all(m["content"] for m in new["messages"])
+    assert sum(m["role"] == "assistant" for m in kept[2]["messages"]) == 2  # the trailing user turn was answered
+    assert counts["replies"] == 5
+    # Each reply is what the target itself says greedily to the regenerated history, one prompt at a time.
+    tokenizer, model = engine.tokenizer, engine.model
+    for new in kept:
+        messages = new["messages"]
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            ids = tokenizer(render(tokenizer, messages[:k], True), add_special_tokens=False,
+                            return_tensors="pt")["input_ids"]
+            output = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=engine.stop_ids,
+                                    pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+            output = [t for t in output if t not in engine.stop_ids]
+            assert message["content"] == tokenizer.decode(output, skip_special_tokens=True).strip()
+
+
+def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, target_dir):
+    engine = regenerate.HFEngine(target_dir, settings(max_context_tokens=30))
+    kept, counts = regenerate.regenerate_conversations(
+        CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+    assert counts["cut_at_context_limit"] == 1
+    assert [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
+
+
+def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path, target_dir):
+    shard = tmp_path / "shard.jsonl"
+    conversations.write_jsonl(CHATS, shard)
+    output = tmp_path / "out.jsonl"
+    progress = tmp_path / "out.jsonl.progress.jsonl"
+    chosen = settings(engine="hf")
+    fingerprint = regenerate.fingerprint(shard, chosen, target.read_identity(target_dir)["content_hash"])
+    marked = {**CHATS[1], "messages": CHATS[1]["messages"][:2] + [{"role": "assistant", "content": "RESUMED"}]}
+    progress.write_text(json.dumps({"fingerprint": fingerprint}) + "\n"
+                        + json.dumps({"index": 1, "conversation": marked}) + "\n"
+                        + '{"index": 2, "conversation": {"id": "c", "mess')  # the line a kill cut short
+    summary = regenerate.run_shard(shard, output, target_dir, chosen, LOG)
+    result = conversations.read_jsonl(output)
+    assert [c["id"] for c in result] == ["a", "b", "c"] and summary["resumed"] == 1
+    assert result[1]["messages"][-1]["content"] == "RESUMED"  # kept, not regenerated
+    assert result[2]["messages"][-1]["content"] not in ("", "RESUMED")  # the torn record was redone
+    assert not progress.exists()
+    # Other settings: the old progress is for other output and must not be reused.
+    progress.write_text(json.dumps({"fingerprint": fingerprint}) + "\n"
+                        + json.dumps({"index": 1, "conversation": marked}) + "\n")
+    summary = regenerate.run_shard(shard, output, target_dir, settings(max_new_tokens=6), LOG)
+    assert summary["resumed"] == 0
+    assert conversations.read_jsonl(output)[1]["messages"][-1]["content"] != "RESUMED"
+
+
+class FlakyChatServer:
+    """A real HTTP server speaking the chat-completions shape: fails the first `failures` requests with 503,
+    answers 400 to any conversation that says REJECT, and echoes otherwise."""
+
+    def __init__(self, failures: int = 0, delay_s: float = 0.0):
+        self.requests: list[dict] = []
+        self.failed = 0
+        lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(delay_s)
+                last = body["messages"][-1]["content"]
+                with lock:
+                    owner.requests.append(body)
+                    fail = owner.failed < failures
+                    owner.failed += fail
+                if fail:
+                    return self._send(503, {"error": "warming up"})
+                if "REJECT" in last:
+                    return self._send(400, {"error": "prompt is too long"})
+                return self._send(200, {"choices": [{"message": {"role": "assistant", "content": f"echo {last}"},
+                                                     "finish_reason": "stop"}],
+                                        "usage": {"completion_tokens": 3}})
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tmp_path):
+    server = FlakyChatServer(failures=2)
+    chats = CHATS + [{"id": "bad", "messages": [{"role": "user", "content": "REJECT me"},
+                                                {"role": "assistant", "content": "x"}]}]
+    try:
+        chosen = settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
+        engine = regenerate.OpenAIEngine(chosen, LOG)
+        kept, counts = regenerate.regenerate_conversations(
+            chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+    finally:
+        server.close()
+    assert [c["id"] for c in kept] == ["a", "b", "c"]
+    assert counts["dropped_rejected_by_engine"] == 1 and counts["replies"] == 5
+    assert kept[0]["messages"][3]["content"] == "echo And of Italy?"
+    assert kept[0]["messages"][2:] == [{"role": "user", "content": "And of Italy?"},
+                                       {"role": "assistant", "content": "echo And of Italy?"}]
+    first = server.requests[-1]
+    assert first["max_tokens"] == 10 and first["temperature"] == 0.0
+    assert first["chat_template_kwargs"] == {"enable_thinking": False}
+    # 5 replies + 1 rejection + the 2 failed attempts that were retried
+    assert len(server.requests) == 8
+
+
+def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_path):
+    server = FlakyChatServer(failures=1000)
+    try:
+        chosen = settings(engine="openai", url=server.url + "/v1", max_retries=2, backoff_s=0.01)
+        engine = regenerate.OpenAIEngine(chosen, LOG)
+        with pytest.raises(regenerate.ServerUnavailable, match="still failing after 3 attempts.*HTTP 503"):
+            regenerate.regenerate_conversations(CHATS, engine, chosen, word_count, tmp_path / "p.jsonl", "fp",
+                                                LOG, chunk_size=8)
+    finally:
+        server.close()
+    assert json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0]) == {"fingerprint": "fp"}
+
+
+def test_server_engine_times_out(tmp_path):
+    server = FlakyChatServer(delay_s=2.0)
+    try:
+        chosen = settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
+        engine = regenerate.OpenAIEngine(chosen, LOG)
+        with pytest.raises(regenerate.ServerUnavailable, match="TimeoutError|timed out"):
+            engine.reply([CHATS[1]["messages"][:2]], [0])
+    finally:
+        server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(not os.environ.get("E3_LLAMA_CPP_PYTHON"),
+                    reason="opt-in: set E3_LLAMA_CPP_PYTHON to a python with llama-cpp-python[server]")
+def test_against_a_real_llama_cpp_server(tmp_path, target_dir):
+    port = free_port()
+    gguf = assets.resolve("smollm2-gguf")
+    server = subprocess.Popen([os.environ["E3_LLAMA_CPP_PYTHON"], "-m", "llama_cpp.server", "--model", str(gguf),
+                               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        shard = tmp_path / "shard.jsonl"
+        conversations.write_jsonl(CHATS, shard)
+        chosen = settings(engine="openai", url=f"http://127.0.0.1:{port}", concurrency=2, max_new_tokens=16)
+        summary = regenerate.run_shard(shard, tmp_path / "out.jsonl", target_dir, chosen, LOG)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    result = conversations.read_jsonl(tmp_path / "out.jsonl")
+    assert summary["kept"] == 3 and summary["replies"] == 5
+    assert all(m["content"] for c in result for m in c["messages"])
+    print(json.dumps([c["messages"] for c in result], indent=1))
