@@ -53,6 +53,7 @@ def check(config: dict[str, Any]) -> Settings:
         raise ConfigError(f"config key data.train_conversations: {data['train_conversations']} is fewer "
                           f"than data.num_shards ({data['num_shards']})")
     regenerate = config.get("regenerate") or {}
-    if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not (regenerate.get("server") or {}).get("url"):
+    server_url = (regenerate.get("server") or {}).get("url")
+    if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
     return Settings(data_inputs=inputs, target_source=target_source)
