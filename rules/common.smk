@@ -21,6 +21,7 @@ TOKEN_SHARD = f"{RESULTS}/tokens/shard-{{shard}}.zarr"
 DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.safetensors"
 VOCAB_STATS = f"{RESULTS}/vocab/data_stats.json"
 HIDDEN_STORE = f"{RESULTS}/hidden/shard-{{shard}}.zarr"
+PARITY_REPORT = f"{RESULTS}/parity/{config['extract']['backend']}.json"
 DISK_REPORT = f"{RESULTS}/reports/disk_plan_vs_actual.json"
 TRAIN_STATE = f"{RESULTS}/train_state"  # checkpoints live outside Snakemake's outputs: a killed job resumes
 DRAFTER_WEIGHTS = f"{RESULTS}/train/drafter.safetensors"

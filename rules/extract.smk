@@ -1,8 +1,29 @@
 # Hidden-state extraction: one job per token shard, each writing one zarr store atomically.
 
 
+rule parity:
+    input:
+        tokens=TOKEN_SHARD.format(shard=SHARDS[0]),
+        target=TARGET_DIR,
+    output:
+        PARITY_REPORT,
+    params:
+        extract=config["extract"],
+        parity=config["parity"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=config["extract"]["gpus"],
+        mem_mb=8000,
+    log:
+        f"{LOGS}/parity.log",
+    script:
+        "../scripts/parity.py"
+
+
 rule extract:
     input:
+        unpack(lambda wildcards: {"parity": PARITY_REPORT} if config["parity"]["enabled"] else {}),
         tokens=TOKEN_SHARD,
         target=TARGET_DIR,
     output:

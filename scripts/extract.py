@@ -4,17 +4,14 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import extract_stage, logs, target
-from eagle3_pipeline.backends.hf import HFBackend
+from eagle3_pipeline import backends, extract_stage, logs, target
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])
 settings = snakemake.params.extract
 torch.set_num_threads(snakemake.threads)
 target_dir = Path(snakemake.input.target)
-backend = HFBackend.from_directory(target_dir, device=settings["device"], dtype=settings["dtype"],
-                                   aux_layer_ids=settings.get("aux_layer_ids"),
-                                   trust_remote_code=snakemake.params.trust_remote_code)
+backend = backends.from_config(settings, target_dir, snakemake.params.trust_remote_code)
 identity = target.read_identity(target_dir)
 attrs = extract_stage.extract_shard(
     backend, Path(snakemake.input.tokens), Path(snakemake.output[0]), settings["token_budget"],

@@ -56,4 +56,9 @@ def check(config: dict[str, Any]) -> Settings:
     server_url = (regenerate.get("server") or {}).get("url")
     if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    extract = config.get("extract") or {}
+    if extract.get("backend") == "sglang":
+        for key in ("aux_url", "final_url"):
+            if not (extract.get("sglang") or {}).get(key):
+                raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
     return Settings(data_inputs=inputs, target_source=target_source)

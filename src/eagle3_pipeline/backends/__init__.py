@@ -57,3 +57,27 @@ def check_aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 def sglang_layer_ids(hf_ids: list[int]) -> list[int]:
     """SGLang's eagle_aux_hidden_state_layer_ids number decoder-block outputs: HF index - 1."""
     return [i - 1 for i in hf_ids]
+
+
+def from_config(settings: dict, target_dir, trust_remote_code: bool = False) -> Backend:
+    """The backend `extract.backend` names, built from the `extract` config section."""
+    if settings["backend"] == "hf":
+        from .hf import HFBackend
+
+        return HFBackend.from_directory(target_dir, device=settings["device"], dtype=settings["dtype"],
+                                        aux_layer_ids=settings.get("aux_layer_ids"),
+                                        trust_remote_code=trust_remote_code)
+    if settings["backend"] == "sglang":
+        from ..target import load_config
+        from .sglang import SGLangBackend
+
+        config = load_config(target_dir, trust_remote_code)
+        server = settings.get("sglang") or {}
+        if not server.get("aux_url") or not server.get("final_url"):
+            raise ValueError("extract.sglang.aux_url and extract.sglang.final_url are required for backend sglang")
+        num_layers = config.num_hidden_layers
+        return SGLangBackend(server["aux_url"], server["final_url"],
+                             settings.get("aux_layer_ids") or default_aux_layer_ids(num_layers), num_layers,
+                             config.hidden_size, timeout_s=server.get("timeout_s", 600.0),
+                             retries=server.get("retries", 3))
+    raise ValueError(f"extract.backend: unknown backend {settings['backend']!r}")
