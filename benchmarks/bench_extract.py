@@ -82,19 +82,26 @@ def report(name, baseline, ceiling, ours_rate, tokens, disk, hidden):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--tokens", type=Path, required=True)
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--tokens", type=Path)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--budget", type=int, default=65536)
     parser.add_argument("--writer-threads", type=int, default=8)
     parser.add_argument("--baseline-sequences", type=int, default=200)
     parser.add_argument("--big", action="store_true", help="also the 8B-shaped random Llama")
     parser.add_argument("--big-sequences", type=int, default=64)
+    parser.add_argument("--only-big", action="store_true", help="only the 8B-shaped run (no --target/--tokens)")
     args = parser.parse_args()
+    if not args.only_big and not (args.target and args.tokens):
+        parser.error("--target and --tokens are required unless --only-big")
     logging.basicConfig(level=logging.WARNING)
     device = pick_device(args.device)
     workdir = Path(tempfile.mkdtemp(prefix="bench-extract-"))
 
+    if args.only_big:
+        big(args, device, workdir)
+        shutil.rmtree(workdir)
+        return
     from eagle3_pipeline.target import load_model
 
     model = load_model(args.target, device=device, dtype=pick_dtype("auto", device))
@@ -130,10 +137,11 @@ def big(args, device, workdir) -> None:
     forward_ceiling(backend, sequences[:8], 16384, device)
     baseline = seed_style(model, sequences[:8], list(backend.info.aux_layer_ids), device)
     ceiling = forward_ceiling(backend, sequences, 16384, device)
-    rate, tokens, disk = ours(backend, shard_path, 16384, args.writer_threads, workdir)
-    report(f"8B-shaped Llama (random weights, 2048-token sequences), {device}", baseline, ceiling, rate, tokens,
-           disk, 4096)
-    hidden_store.validate(workdir / "bench.zarr")
+    for threads in sorted({1, args.writer_threads}):
+        rate, tokens, disk = ours(backend, shard_path, 16384, threads, workdir)
+        report(f"8B-shaped Llama (random weights, 2048-token sequences), {device}, {threads} writer thread(s)",
+               baseline, ceiling, rate, tokens, disk, 4096)
+        hidden_store.validate(workdir / "bench.zarr")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def current_plan():
         {"token_shard": TOKEN_SHARD, "conversation_shard": CONVERSATION_SHARD, "hidden_store": HIDDEN_STORE},
         [Path(p) for p in SETTINGS.data_inputs],
         config["data"],
-        shape[0] if shape else None,
+        shape[0] if shape else config["plan"].get("target_hidden_size"),
         config["plan"]["expected_compression"],
         Path(config["results_dir"]),
     )

@@ -10,6 +10,8 @@ rule ingest:
         report=INGEST_REPORT,
     params:
         data=config["data"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/ingest.log",
     script:
@@ -25,6 +27,8 @@ rule tokenize:
     params:
         data=config["data"],
         trust_remote_code=config["target"].get("trust_remote_code", False),
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/tokenize/shard-{{shard}}.log",
     script:
@@ -41,6 +45,8 @@ rule vocab:
         stats=VOCAB_STATS,
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/vocab.log",
     script:

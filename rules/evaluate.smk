@@ -19,6 +19,8 @@ rule evaluate:
     threads: config["extract"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/evaluate/{{prompt_set}}.log",
     script:
@@ -45,6 +47,8 @@ rule plots:
                           labels={"figure": "provenance"}),
     params:
         full_config=config,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/plots.log",
     script:

@@ -13,8 +13,10 @@ rule parity:
         trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: config["extract"]["threads"]
     resources:
-        gpu=config["extract"]["gpus"],
+        gpu=0 if config["parity"]["device"] == "cpu" else max(1, config["extract"]["gpus"]),  # the fp32 reference
         mem_mb=8000,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/parity.log",
     script:
@@ -36,6 +38,8 @@ rule extract:
         gpu=config["extract"]["gpus"],
         disk_mb=hidden_store_mb,
         mem_mb=8000,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/extract/shard-{{shard}}.log",
     script:
@@ -50,6 +54,8 @@ rule disk_report:
         DISK_REPORT,
     params:
         compression=config["plan"]["expected_compression"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/disk_report.log",
     script:

@@ -15,6 +15,8 @@ rule regenerate:
     resources:
         gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] == "hf" else 0,
         mem_mb=8000,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/regenerate/shard-{{shard}}.log",
     script:

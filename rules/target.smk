@@ -9,6 +9,8 @@ rule target:
         gguf_file=config["target"].get("gguf_file"),
         revision=config["target"].get("revision"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/target.log",
     resources:

@@ -20,6 +20,8 @@ rule train:
     resources:
         gpu=config["train"]["gpus"],
         mem_mb=16000,
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/train.log",
     script:
@@ -33,6 +35,8 @@ rule export:
         directory(SERVING_DIR),
     params:
         dtype=config["export"]["dtype"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/export.log",
     script:

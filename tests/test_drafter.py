@@ -49,14 +49,14 @@ def test_ttt_attention_matches_an_explicitly_masked_reference():
 
         q = project(attn.q_proj, queries_input, 4)
         q = q * cos + (torch.cat([-q[..., 4:], q[..., :4]], -1)) * sin
-        keys = torch.cat([k for k, _ in cache], dim=2)  # [B,h,steps*T,d]
+        keys = torch.cat([k for k, _ in cache], dim=2)  # [B,kv_heads,steps*T,d]
         values = torch.cat([v for _, v in cache], dim=2)
         mask = torch.zeros(length, steps * length, dtype=torch.bool)
         for t in range(length):
             mask[t, : t + 1] = True  # step 0: causal prefix
             for j in range(1, steps):
                 mask[t, j * length + t] = True  # later steps: own position only
-        reference = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        reference = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         reference = attn.o_proj(reference.transpose(1, 2).reshape(batch, length, -1))
         residual = outputs[-2]
         expected = residual + reference
@@ -172,3 +172,29 @@ def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path
         else:
             torch.testing.assert_close(served_logits, reference, atol=0.1, rtol=0.05)
         assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+
+
+@pytest.mark.slow
+def test_flex_ttt_attention_equals_the_explicit_one():
+    """The fused kernel's block mask (GPU training) against the explicit scores, on CPU (forward only:
+    flex has no CPU backward). Padding included: only valid rows are compared."""
+    torch.manual_seed(0)
+    model = Drafter(tiny_config()).eval()
+    batch, length = 2, 40
+    ids = torch.randint(0, 100, (batch, length))
+    positions = torch.arange(length).expand(batch, length)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, 29:] = False
+    hidden = torch.randn(batch, length, 96)
+
+    @torch.no_grad()
+    def unroll(flex: bool) -> list[torch.Tensor]:
+        model.use_flex_attention(flex)
+        cache, h, logits = [], hidden, []
+        for _ in range(4):
+            out, h = model.step(ids, h, positions, valid, cache)
+            logits.append(out[valid])
+        return logits
+
+    for eager, flex in zip(unroll(False), unroll(True), strict=True):
+        torch.testing.assert_close(flex, eager, atol=1e-5, rtol=1e-5)

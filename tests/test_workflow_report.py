@@ -26,13 +26,16 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
         train={"ttt_steps": 2, "epochs": 1, "batch_tokens": 512, "max_seq_len": 128, "warmup_steps": 1,
                "checkpoint_every": 5, "log_every": 1, "num_workers": 0, "threads": 2},
         evaluate={"prompts": ["mtbench-package", "held-out"], "max_prompts": 2, "max_new_tokens": 6,
-                  "draft_lengths": [2], "device": "cpu"})
+                  "draft_lengths": [2], "device": "cpu", "workers": 2})
     run_snakemake(tmp_path, config)
     results = tmp_path / "results" / "tiny"
     for prompt_set in ("mtbench-package", "held-out"):
         evaluation = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())
         assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
         assert evaluation["summary"]["eagle3@k=2"]["tau"] >= 1.0
+        assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+    parity = json.loads((results / "parity" / "hf.json").read_text())
+    assert parity["passed"] and parity["aux_layer_ids"] == [2, 15, 27]
     served = json.loads((results / "serving" / "drafter" / "config.json").read_text())
     assert served["architectures"] == ["LlamaForCausalLMEagle3"]
     report = tmp_path / "report.html"

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .logs import Progress
 from .model import Drafter
 
 
@@ -283,19 +284,25 @@ def check_lossless(trace: Trace, reference: Trace) -> None:
                                 f"output at token {at}")
 
 
-def run(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-        max_new: int, log: Any) -> dict[str, Any]:
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, list[int]]]:
     encoded = [(p.prompt_id, tokenizer.apply_chat_template(p.messages, tokenize=True, add_generation_prompt=True,
                                                            return_dict=False)) for p in prompts]
-    encoded = [(pid, list(ids["input_ids"] if isinstance(ids, dict) else ids)) for pid, ids in encoded]
+    return [(pid, list(ids["input_ids"] if isinstance(ids, dict) else ids)) for pid, ids in encoded]
+
+
+def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
+               max_new: int, log: Any) -> dict[str, list[Trace]]:
+    """Every method on every prompt; traces by method ("target", "eagle3@k=4", ...). Lossless is checked here."""
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    encoded = encode_prompts(tokenizer, prompts)
     # Warm-up so the first timed prompt does not pay for lazy initialisation.
     greedy(target, encoded[0][1], 4, eos, "warmup")
-    reference = {pid: greedy(target, ids, max_new, eos, pid) for pid, ids in encoded}
-    results: dict[str, Any] = {"target": {"tokens_per_s": sum(len(t.tokens) for t in reference.values())
-                                          / sum(t.total_seconds for t in reference.values()),
-                                          "prompts": len(reference)}}
-    all_traces = list(reference.values())
+    progress = Progress(log, "target greedy", len(encoded))
+    reference = {}
+    for pid, ids in encoded:
+        reference[pid] = greedy(target, ids, max_new, eos, pid)
+        progress.update(1, len(reference[pid].tokens))
+    by_method: dict[str, list[Trace]] = {"target": list(reference.values())}
     for k in ks:
         methods: dict[str, DraftFn] = {"prompt-lookup": prompt_lookup()}
         for name, drafter in drafters.items():
@@ -304,16 +311,126 @@ def run(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[st
             methods[name] = DrafterProposer(drafter)
         for name, propose in methods.items():
             traces = []
+            progress = Progress(log, f"{name}@k={k}", len(encoded))
             for pid, ids in encoded:
                 if isinstance(propose, DrafterProposer):
                     propose.reset()
                 trace = speculative(target, propose, ids, k, max_new, eos, pid, f"{name}@k={k}")
                 check_lossless(trace, reference[pid])
                 traces.append(trace)
-            results[f"{name}@k={k}"] = summarise(traces, list(reference.values()), k)
-            log.info("%s k=%d: tau %.3f, acceptance by position %s, %.1f tokens/s, speedup %.2fx", name, k,
-                     results[f"{name}@k={k}"]["tau"],
-                     [round(a, 3) for a in results[f"{name}@k={k}"]["acceptance_by_position"]],
-                     results[f"{name}@k={k}"]["tokens_per_s"], results[f"{name}@k={k}"]["speedup_vs_target"])
-            all_traces += traces
-    return {"summary": results, "traces": [asdict(t) | {"tau": t.tau} for t in all_traces]}
+                progress.update(1, len(trace.tokens))
+            by_method[f"{name}@k={k}"] = traces
+    return by_method
+
+
+def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:
+    reference = by_method["target"]
+    results: dict[str, Any] = {"target": {"tokens_per_s": sum(len(t.tokens) for t in reference)
+                                          / sum(t.total_seconds for t in reference), "prompts": len(reference)}}
+    for method, traces in by_method.items():
+        if method == "target":
+            continue
+        k = int(method.rsplit("@k=", 1)[1])
+        results[method] = summary = summarise(traces, reference, k)
+        log.info("%s: tau %.3f, acceptance by position %s, %.1f tokens/s, speedup %.2fx", method, summary["tau"],
+                 [round(a, 3) for a in summary["acceptance_by_position"]], summary["tokens_per_s"],
+                 summary["speedup_vs_target"])
+    return results
+
+
+def run(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
+        max_new: int, log: Any) -> dict[str, Any]:
+    by_method = decode_all(target, tokenizer, prompts, drafters, ks, max_new, log)
+    return {"summary": summarise_methods(by_method, log),
+            "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
+
+
+# ---------------------------------------------------------------- the rule's job, optionally in worker processes
+
+def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool
+                ) -> tuple[Target, Any, dict[str, Drafter]]:
+    """The target (with aux capture), its tokenizer and the drafters, all loaded from disk as a server would."""
+    from . import export, target
+    from .backends.hf import pick_device
+    from .train import read_target_head
+
+    device = pick_device(settings["device"])
+    dtype = getattr(torch, settings["dtype"])
+    tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
+    model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    embedding, _ = read_target_head(target_dir)
+    drafter = export.load(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
+    drafters = {"eagle3": drafter}
+    if settings["untrained_baseline"]:
+        drafters["eagle3-untrained"] = untrained_like(drafter)
+    return Target(model, drafter.config.aux_layer_ids), tokenizer, drafters
+
+
+def worker_main(job_path: Path, result_path: Path) -> None:
+    """One worker process: `python -m eagle3_pipeline.evaluate JOB.json RESULT.json` (see run_job)."""
+    from . import logs
+
+    job = json.loads(Path(job_path).read_text())
+    torch.set_num_threads(job["threads"])
+    log = logs.setup(job["log"], name=f"evaluate.worker{job['index']}", append=True)
+    prompts = [Prompt(**p) for p in job["prompts"]]
+    target, tokenizer, drafters = load_models(Path(job["target_dir"]), Path(job["serving_dir"]), job["settings"],
+                                              job["trust"])
+    by_method = decode_all(target, tokenizer, prompts, drafters, job["settings"]["draft_lengths"],
+                           job["settings"]["max_new_tokens"], log)
+    partial = Path(str(result_path) + ".partial")
+    partial.write_text(json.dumps({m: [asdict(t) for t in traces] for m, traces in by_method.items()}))
+    partial.replace(result_path)
+
+
+def _run_workers(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
+                 trust_remote_code: bool, log_path: str, workers: int) -> list[dict[str, list[Trace]]]:
+    """Plain subprocesses (not multiprocessing: its spawn re-runs the rule's script in every child)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="evaluate-") as scratch:
+        running = []
+        for i in range(workers):
+            job = {"index": i, "prompts": [asdict(p) for p in prompts[i::workers]], "target_dir": str(target_dir),
+                   "serving_dir": str(serving_dir), "settings": settings, "trust": trust_remote_code,
+                   "log": log_path, "threads": max(1, torch.get_num_threads() // workers)}
+            job_path, result_path = Path(scratch) / f"job{i}.json", Path(scratch) / f"result{i}.json"
+            job_path.write_text(json.dumps(job))
+            running.append((subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.evaluate", str(job_path),
+                                              str(result_path)]), result_path))
+        failed = [i for i, (process, _) in enumerate(running) if process.wait() != 0]
+        if failed:
+            raise RuntimeError(f"evaluation workers {failed} failed; their errors are in {log_path}")
+        return [{method: [Trace(**t) for t in traces] for method, traces in json.loads(path.read_text()).items()}
+                for _, path in running]
+
+
+def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
+            trust_remote_code: bool, log_path: str, log: Any) -> dict[str, Any]:
+    """Evaluate; with `settings["workers"] > 1`, prompts are split over that many processes sharing the device.
+
+    Decoding a small target is bound by Python and kernel launches, not by the GPU, so workers scale almost
+    linearly; each worker times every method on its own prompts under the same load, so ratios stay fair."""
+    workers = min(settings.get("workers", 1), len(prompts))
+    if workers <= 1:
+        target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code)
+        by_method = decode_all(target, tokenizer, prompts, drafters, settings["draft_lengths"],
+                               settings["max_new_tokens"], log)
+    else:
+        parts = _run_workers(target_dir, serving_dir, prompts, settings, trust_remote_code, log_path, workers)
+        order = {p.prompt_id: i for i, p in enumerate(prompts)}
+        by_method = {method: sorted((t for part in parts for t in part[method]), key=lambda t: order[t.prompt_id])
+                     for method in parts[0]}
+    from .backends.hf import pick_device
+
+    return {"summary": summarise_methods(by_method, log), "workers": workers,
+            "device": pick_device(settings["device"]),
+            "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
+
+
+if __name__ == "__main__":
+    import sys
+
+    worker_main(Path(sys.argv[1]), Path(sys.argv[2]))

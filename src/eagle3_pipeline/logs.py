@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 
-def setup(log_path: str | Path | None, name: str = "eagle3") -> logging.Logger:
-    """Log to the Snakemake `log:` file and to stderr; route Python warnings there too."""
+def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = False) -> logging.Logger:
+    """Log to the Snakemake `log:` file and to stderr; route Python warnings there too.
+    `append` is for worker processes writing into their parent's log."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
-        handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
+        handlers.append(logging.FileHandler(log_path, mode="a" if append else "w", encoding="utf-8"))
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -20,7 +21,13 @@ def setup(log_path: str | Path | None, name: str = "eagle3") -> logging.Logger:
         force=True,
     )
     logging.captureWarnings(True)
-    return logging.getLogger(name)
+    logger = logging.getLogger(name)
+
+    def log_uncaught(kind, value, traceback):  # the traceback belongs in the job's log, not only on the console
+        logger.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, traceback))
+
+    sys.excepthook = log_uncaught
+    return logger
 
 
 def format_seconds(seconds: float) -> str:

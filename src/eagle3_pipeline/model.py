@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -124,6 +125,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.implementation = "eager"  # or "flex" (GPU): see Drafter.use_flex_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: torch.Tensor | None,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
@@ -133,18 +135,22 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if cache is None or not cache:
+        if cache is not None:
+            cache.append((k, v))  # un-repeated keys/values of this step
+        if self.implementation == "flex" and cache is not None:
+            out = ttt_flex_attention(q, cache, key_padding)
+        elif cache is None or len(cache) == 1:
             mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
             if key_padding is not None:
                 mask = mask[None, None] & key_padding[:, None, None, :]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            if cache is not None:
-                cache.append((k, v))
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
         else:
-            out = self._ttt_attention(q, k, v, key_padding, cache)
+            out = self._ttt_attention(q, key_padding, cache)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.heads // self.kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
@@ -163,22 +169,61 @@ class Attention(nn.Module):
                                              attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
-    def _ttt_attention(self, q, k, v, key_padding, cache):
+    def _ttt_attention(self, q, key_padding, cache):
+        """Reference TTT attention (CPU, and the check for the flex kernel): explicit scores."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
+        k0, v0 = self._repeat(cache[0][0]), self._repeat(cache[0][1])
         length = q.shape[2]
         prefix = (q @ k0.transpose(-1, -2)) * scale  # [B,h,T,T] against the real-feature step
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         if key_padding is not None:
             causal = causal[None, None] & key_padding[:, None, None, :]
         prefix = prefix.masked_fill(~causal, float("-inf"))
-        later_k = torch.stack([ck for ck, _ in cache[1:]] + [k], dim=-2)  # [B,h,T,S,d], one key per step
-        later_v = torch.stack([cv for _, cv in cache[1:]] + [v], dim=-2)
+        later_k = torch.stack([self._repeat(ck) for ck, _ in cache[1:]], dim=-2)  # [B,h,T,S,d], one key per step
+        later_v = torch.stack([self._repeat(cv) for _, cv in cache[1:]], dim=-2)
         diagonal = (q.unsqueeze(-2) * later_k).sum(-1) * scale  # [B,h,T,S]
         weights = torch.softmax(torch.cat([prefix, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
-        out = weights[..., :length] @ v0 + (weights[..., length:].unsqueeze(-1) * later_v).sum(-2)
-        cache.append((k, v))
-        return out
+        return weights[..., :length] @ v0 + (weights[..., length:].unsqueeze(-1) * later_v).sum(-2)
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_attention_problem(device: torch.device) -> str | None:
+    """None when the fused kernel compiles and runs forward and backward here, else why not (once per process)."""
+    try:
+        q = torch.randn(1, 2, 128, 16, device=device, requires_grad=True)
+        steps = [(torch.randn(1, 1, 128, 16, device=device), torch.randn(1, 1, 128, 16, device=device))
+                 for _ in range(2)]
+        ttt_flex_attention(q, steps, None).sum().backward()
+        return None
+    except Exception as exc:  # missing Triton, unsupported device, compiler errors: all mean "use eager"
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def ttt_flex_attention(q: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor]],
+                       key_padding: torch.Tensor | None) -> torch.Tensor:
+    """The same attention as `Attention._ttt_attention` as one fused kernel (GPU): the keys of every step side
+    by side, [step 0 | step 1 | ... | step k], each T long; the block mask keeps step 0 causal and steps >= 1
+    diagonal, so the extra steps cost a few diagonal tiles instead of a materialised [T, T] score matrix."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, heads, length, _ = q.shape
+    keys = torch.cat([k for k, _ in steps], dim=2)
+    values = torch.cat([v for _, v in steps], dim=2)
+    padding = key_padding if key_padding is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                       device=q.device)
+
+    def visible(b, h, q_index, kv_index):
+        position = kv_index % length
+        return torch.where(kv_index < length, position <= q_index, position == q_index) & padding[b, position]
+
+    mask = create_block_mask(visible, batch, None, length, keys.shape[2], device=q.device)
+    return _compiled_flex_attention()(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != heads)
 
 
 class MLP(nn.Module):
@@ -252,6 +297,10 @@ class Drafter(nn.Module):
         hidden = hidden + attended
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.norm(hidden)), hidden, cache
+
+    def use_flex_attention(self, enabled: bool = True) -> None:
+        """Training-time test attention through torch's flex_attention kernel (needs a GPU and Triton)."""
+        self.midlayer.self_attn.implementation = "flex" if enabled else "eager"
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

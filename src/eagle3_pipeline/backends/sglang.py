@@ -133,3 +133,38 @@ class SGLangBackend:
         last = self._generate(self.final_url, batch, hidden)
         return [HiddenStates(torch.from_numpy(a).view(len(a), 3, hidden).to(torch.bfloat16),
                              torch.from_numpy(f).to(torch.bfloat16)) for a, f in zip(aux, last, strict=True)]
+
+
+def launch_commands(model_path: str, hf_ids: list[int], tensor_parallel: int = 1, aux_port: int = 30000,
+                    final_port: int = 30001) -> list[str]:
+    """The two server commands this backend expects (layer ids converted from HF indices here, once)."""
+    common = (f"python -m sglang.launch_server --model-path {model_path} --tp {tensor_parallel} "
+              "--enable-return-hidden-states --chunked-prefill-size -1 --disable-radix-cache --host 0.0.0.0")
+    ids = " ".join(str(i) for i in sglang_layer_ids(hf_ids))
+    return [f"{common} --port {aux_port} --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
+            f"--return-aux-hidden-state-layer-ids {ids}",
+            f"{common} --port {final_port}"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    from pathlib import Path
+
+    from . import default_aux_layer_ids
+
+    parser = argparse.ArgumentParser(description="Print the SGLang launch commands for the sglang backend.")
+    parser.add_argument("--model-path", required=True, help="HF directory or hub id the servers load")
+    parser.add_argument("--num-layers", type=int, help="decoder blocks (default: read config.json in --model-path)")
+    parser.add_argument("--aux-layer-ids", type=int, nargs=3, help="HF indices (default [2, L//2, L-3])")
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args(argv)
+    num_layers = args.num_layers
+    if num_layers is None:
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        num_layers = config.get("text_config", config)["num_hidden_layers"]
+    ids = check_aux_layer_ids(args.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers)
+    print("\n".join(launch_commands(args.model_path, ids, args.tp)))
+
+
+if __name__ == "__main__":
+    main()
