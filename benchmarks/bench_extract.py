@@ -68,6 +68,27 @@ def ours(backend, shard_path, budget, writer_threads, workdir) -> tuple[float, i
     return attrs["num_tokens"] / elapsed, attrs["num_tokens"], zarr_io.directory_bytes(out)
 
 
+def disk_write_rate(workdir: Path, total_bytes: int, threads: int, piece: int = 64 << 20) -> float:
+    """Bytes/s of plain file writes (64 MiB files, `threads` at once, no fsync: like the store writer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = workdir / "disk-ceiling"
+    target.mkdir(exist_ok=True)
+    data = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8).tobytes()
+    count = max(1, total_bytes // piece)
+
+    def write(i: int) -> None:
+        with open(target / f"f{i}", "wb") as handle:
+            handle.write(data)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(count)))
+    rate = count * piece / (time.perf_counter() - start)
+    shutil.rmtree(target)
+    return rate
+
+
 def report(name, baseline, ceiling, ours_rate, tokens, disk, hidden):
     raw = tokens * plan.hidden_bytes_per_token(hidden, 1)[0]
     print(f"\n== {name} ({tokens:,} tokens)")
@@ -142,6 +163,8 @@ def big(args, device, workdir) -> None:
         report(f"8B-shaped Llama (random weights, 2048-token sequences), {device}, {threads} writer thread(s)",
                baseline, ceiling, rate, tokens, disk, 4096)
         hidden_store.validate(workdir / "bench.zarr")
+        print(f"  plain file writes of the same bytes, {threads} thread(s): "
+              f"{disk_write_rate(workdir, disk, threads) / 1e9:.2f} GB/s (this disk's ceiling for the writer)")
 
 
 if __name__ == "__main__":

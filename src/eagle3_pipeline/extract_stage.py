@@ -60,9 +60,13 @@ def reorder(shard: token_shards.TokenShard, order: np.ndarray) -> dict[str, Any]
     }
 
 
-def check_finite(aux: torch.Tensor, last: torch.Tensor, batch: Batch, offsets: np.ndarray,
-                 sample_ids: list[str], shard_path: Path) -> None:
-    bad_rows = ~(torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1))
+def finite_rows(aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
+
+
+def check_finite(finite: torch.Tensor, batch: Batch, offsets: np.ndarray, sample_ids: list[str],
+                 shard_path: Path) -> None:
+    bad_rows = ~finite
     if not bad_rows.any():
         return
     first_bad = batch.start_row + int(torch.nonzero(bad_rows)[0])
@@ -115,16 +119,17 @@ def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_
 def _launch(backend: Backend, ids: list[np.ndarray]):
     if hasattr(backend, "extract_packed"):
         return backend.extract_packed(ids)
-    states = backend.extract(ids)  # backends without async copies
-    return torch.cat([s.aux for s in states]), torch.cat([s.last for s in states]), None
+    states = backend.extract(ids)  # backends without async copies (e.g. SGLang: the states arrive on the host)
+    aux, last = torch.cat([s.aux for s in states]), torch.cat([s.last for s in states])
+    return aux, last, finite_rows(aux, last), None
 
 
 def _drain(in_flight, writer: hidden_store.StoreWriter, sequences: dict[str, Any], shard_path: Path,
            progress: Progress) -> None:
-    batch, (aux, last, event) = in_flight
+    batch, (aux, last, finite, event) = in_flight
     if event is not None:
         event.synchronize()
-    check_finite(aux, last, batch, sequences["seq_offsets"], sequences["sample_ids"], shard_path)
+    check_finite(finite, batch, sequences["seq_offsets"], sequences["sample_ids"], shard_path)
     skip = max(0, writer.buffer_start + writer.buffered - batch.start_row)  # rows already durable (resume)
     writer.append(hidden_store.bf16_to_u16(aux[skip:]), hidden_store.bf16_to_u16(last[skip:]))
     progress.update(1, batch.end_row - batch.start_row)

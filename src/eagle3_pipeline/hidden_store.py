@@ -136,11 +136,21 @@ class StoreWriter:
             self._submit(self._take(rows))
 
     def _take(self, rows: int) -> dict[str, np.ndarray]:
+        """The next `rows` buffered rows. Views where they lie in one appended batch; only a block that
+        straddles two batches is copied (copying every batch cost the main thread as much as the forward)."""
         taken = {}
         for name, parts in self.buffers.items():
-            joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            taken[name] = joined[:rows]
-            self.buffers[name] = [joined[rows:]] if rows < len(joined) else []
+            pieces, needed = [], rows
+            while needed:
+                head = parts[0]
+                if len(head) <= needed:
+                    pieces.append(parts.pop(0))
+                    needed -= len(head)
+                else:
+                    pieces.append(head[:needed])
+                    parts[0] = head[needed:]
+                    needed = 0
+            taken[name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.buffered -= rows
         return taken
 

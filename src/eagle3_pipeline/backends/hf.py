@@ -9,6 +9,7 @@ device-to-host copy, which goes into pinned memory asynchronously so the GPU kee
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class HFBackend:
 
     def extract(self, batch: list[np.ndarray]) -> list[HiddenStates]:
         aux, last, mask = self.forward(batch)
-        packed_aux, packed_last = pack_to_host(aux, last, mask)
+        packed_aux, packed_last, _ = pack_to_host(aux, last, mask)
         results, start = [], 0
         for ids in batch:
             end = start + len(ids)
@@ -83,28 +84,34 @@ class HFBackend:
             start = end
         return results
 
-    def extract_packed(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """Rows of every sequence in order, padding stripped, on the host (pinned, async on GPU).
-
-        The returned event (GPU only) completes when the copy has landed; wait on it before reading.
-        """
+    def extract_packed(self, batch: list[np.ndarray]) -> PackedStates:
+        """Rows of every sequence in order, padding stripped, on the host (pinned, async on GPU), plus a
+        per-row finite flag computed on the device. Wait on `ready` (GPU only) before reading."""
         aux, last, mask = self.forward(batch)
-        return pack_to_host(aux, last, mask, wait=False)
+        return PackedStates(*pack_to_host(aux, last, mask, wait=False))
+
+
+class PackedStates(NamedTuple):
+    aux: torch.Tensor  # [N, 3, H] bf16
+    last: torch.Tensor  # [N, H] bf16
+    finite: torch.Tensor  # [N] bool: no NaN/Inf in the row
+    ready: torch.cuda.Event | None = None
 
 
 def pack_to_host(aux: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, wait: bool = True):
-    """Strip padding on the device, cast to bf16, copy to (pinned) host memory."""
+    """Strip padding on the device, cast to bf16, flag non-finite rows there (a full pass over the batch costs
+    the CPU seconds, the GPU microseconds), copy to (pinned) host memory."""
     aux_rows = aux[mask].to(torch.bfloat16)
     last_rows = last[mask].to(torch.bfloat16)
+    finite = torch.isfinite(aux_rows).flatten(1).all(1) & torch.isfinite(last_rows).all(1)
     if aux_rows.device.type != "cuda":
-        return (aux_rows, last_rows) if wait else (aux_rows, last_rows, None)
-    host_aux = torch.empty(aux_rows.shape, dtype=torch.bfloat16, pin_memory=True)
-    host_last = torch.empty(last_rows.shape, dtype=torch.bfloat16, pin_memory=True)
-    host_aux.copy_(aux_rows, non_blocking=True)
-    host_last.copy_(last_rows, non_blocking=True)
+        return (aux_rows, last_rows, finite) if wait else (aux_rows, last_rows, finite, None)
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux_rows, last_rows, finite)]
+    for destination, source in zip(host, (aux_rows, last_rows, finite), strict=True):
+        destination.copy_(source, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     if wait:
         event.synchronize()
-        return host_aux, host_last
-    return host_aux, host_last, event
+        return tuple(host)
+    return (*host, event)
