@@ -131,23 +131,35 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
         assert np.all(ids >= 0)
 
 
-def test_regenerated_replies_feed_tokenize(tmp_path, target_dir):
-    config, expected = tiny_config(tmp_path, target_dir, shards=2, train_conversations=6)
-    config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 8, "batch_size": 8,
-                            "device": "cpu", "dtype": "float32"}
-    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")
+def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, target_dir):
+    config, expected = tiny_config(tmp_path, target_dir, shards=2, train_conversations=16)
+    config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 12, "batch_size": 1,
+                            "device": "cpu", "dtype": "float32"}  # 4 conversations per chunk: 2 chunks per shard
     results = tmp_path / "results" / "tiny"
+    run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
+    progress = results / "regenerated" / "shard-00000.jsonl.progress.jsonl"
+    process = subprocess.Popen(snakemake_command(tmp_path, config, "results/tiny/regenerated/shard-00000.jsonl"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and (not progress.exists() or len(progress.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    finished_before = progress.read_text().splitlines()[1:]
+    assert len(finished_before) == 4, "the kill did not land between the two chunks"
+    run_snakemake(tmp_path, config, "--unlock")
+    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")
+    log = (tmp_path / "logs" / "tiny" / "regenerate" / "shard-00000.log").read_text()
+    assert "resuming with 4 finished conversations" in log and "tokens/s" in log
     original = {c["id"]: c for c in conversations.read_jsonl(results / "conversations" / "shard-00000.jsonl")}
     regenerated = conversations.read_jsonl(results / "regenerated" / "shard-00000.jsonl")
     assert [c["id"] for c in regenerated] == list(original)
+    assert regenerated[:4] == [json.loads(line)["conversation"] for line in finished_before]  # kept, not redone
     for conversation in regenerated:
         replies = [m["content"] for m in conversation["messages"] if m["role"] == "assistant"]
         assert replies and "interesting" not in " ".join(replies)  # the dataset's own answers are gone
-        source = original[conversation["id"]]["messages"]
-        assert [m for m in conversation["messages"] if m["role"] == "user"] == \
-            [m for m in source if m["role"] == "user"][: sum(m["role"] == "user" for m in conversation["messages"])]
+        users = [m for m in conversation["messages"] if m["role"] == "user"]
+        assert users == [m for m in original[conversation["id"]]["messages"] if m["role"] == "user"][: len(users)]
     shard = token_shards.read(results / "tokens" / "shard-00000.zarr")
-    assert shard.attrs["conversations_in"] == len(regenerated) == 3
-    log = (tmp_path / "logs" / "tiny" / "regenerate" / "shard-00000.log").read_text()
-    assert "tokens/s" in log and "engine: HF generate on cpu" in log
-    assert not (results / "regenerated" / "shard-00000.jsonl.progress.jsonl").exists()
+    assert shard.attrs["conversations_in"] == len(regenerated) == 8
+    assert not progress.exists()

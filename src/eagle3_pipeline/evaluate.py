@@ -12,6 +12,7 @@ The drafter keeps its own KV cache of real (target-feature) rows; chain rows are
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -87,6 +88,8 @@ class Target:
     def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int]):
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        # transformers renamed `past_key_values` to `cache` (5.2x; the old name goes in 5.40)
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         layers = model.get_decoder().layers
         self.captured: dict[int, torch.Tensor] = {}
         for slot, index in enumerate(aux_layer_ids):
@@ -101,7 +104,7 @@ class Target:
     def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, V] and aux features [n, 3H] for `tokens` appended to the cache."""
         ids = torch.tensor([tokens], device=self.device)
-        output = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        output = self.model(input_ids=ids, use_cache=True, **{self.cache_argument: cache})
         aux = torch.cat([self.captured[s][0] for s in range(3)], dim=-1)
         return output.logits[0], aux
 
