@@ -46,7 +46,7 @@ def word_count(history):
 def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, target_dir):
     engine = regenerate.HFEngine(target_dir, settings())
     kept, counts = regenerate.regenerate_conversations(
-        CHATS, engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+        CHATS, engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert [c["id"] for c in kept] == ["a", "b", "c"] and counts["kept"] == 3
     for original, new in zip(CHATS, kept, strict=True):
         kept_turns = [m for m in new["messages"] if m["role"] != "assistant"]
@@ -73,7 +73,7 @@ def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, target_dir):
 def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, target_dir):
     engine = regenerate.HFEngine(target_dir, settings(max_context_tokens=30))
     kept, counts = regenerate.regenerate_conversations(
-        CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+        CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert counts["cut_at_context_limit"] == 1
     assert [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
 
@@ -157,7 +157,7 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
         chosen = settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
         engine = regenerate.OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
-            chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, chunk_size=8)
+            chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     finally:
         server.close()
     assert [c["id"] for c in kept] == ["a", "b", "c"]
@@ -179,7 +179,7 @@ def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_p
         engine = regenerate.OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="still failing after 3 attempts.*HTTP 503"):
             regenerate.regenerate_conversations(CHATS, engine, chosen, word_count, tmp_path / "p.jsonl", "fp",
-                                                LOG, chunk_size=8)
+                                                LOG, pool_size=8)
     finally:
         server.close()
     assert json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0]) == {"fingerprint": "fp"}

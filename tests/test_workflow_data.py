@@ -134,27 +134,33 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
 def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, target_dir):
     config, expected = tiny_config(tmp_path, target_dir, shards=2, train_conversations=16)
     config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 12, "batch_size": 1,
-                            "device": "cpu", "dtype": "float32"}  # 4 conversations per chunk: 2 chunks per shard
+                            "device": "cpu", "dtype": "float32"}  # 4 conversations in progress at a time
     results = tmp_path / "results" / "tiny"
     run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
     progress = results / "regenerated" / "shard-00000.jsonl.progress.jsonl"
     process = subprocess.Popen(snakemake_command(tmp_path, config, "results/tiny/regenerated/shard-00000.jsonl"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
-    while time.time() < deadline and (not progress.exists() or len(progress.read_text().splitlines()) < 5):
+    while time.time() < deadline and (not progress.exists() or len(progress.read_text().splitlines()) < 3):
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    finished_before = progress.read_text().splitlines()[1:]
-    assert len(finished_before) == 4, "the kill did not land between the two chunks"
+    finished_before = []
+    for line in progress.read_text().splitlines()[1:]:
+        try:
+            finished_before.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line the kill cut short
+    assert 2 <= len(finished_before) < 8, "the kill did not land while the shard was being regenerated"
     run_snakemake(tmp_path, config, "--unlock")
     run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")
     log = (tmp_path / "logs" / "tiny" / "regenerate" / "shard-00000.log").read_text()
-    assert "resuming with 4 finished conversations" in log and "tokens/s" in log
+    assert f"resuming with {len(finished_before)} finished conversations" in log and "tokens/s" in log
     original = {c["id"]: c for c in conversations.read_jsonl(results / "conversations" / "shard-00000.jsonl")}
     regenerated = conversations.read_jsonl(results / "regenerated" / "shard-00000.jsonl")
     assert [c["id"] for c in regenerated] == list(original)
-    assert regenerated[:4] == [json.loads(line)["conversation"] for line in finished_before]  # kept, not redone
+    for record in finished_before:  # kept as they were, not redone
+        assert regenerated[record["index"]] == record["conversation"]
     for conversation in regenerated:
         replies = [m["content"] for m in conversation["messages"] if m["role"] == "assistant"]
         assert replies and "interesting" not in " ".join(replies)  # the dataset's own answers are gone

@@ -6,7 +6,7 @@ target, conditioned on the regenerated history; system and user turns are kept. 
 driver: HF `generate` (batched, left padded; CPU or GPU) and any OpenAI-compatible server (SGLang, vLLM,
 llama.cpp) with bounded concurrency, retries with backoff and timeouts.
 
-Resume: finished conversations are appended to `<output>.progress.jsonl` after every chunk (first line: a
+Resume: finished conversations are appended to `<output>.progress.jsonl` as they finish (first line: a
 fingerprint of the input and the settings). A rerun after a kill keeps them and regenerates the rest; a
 changed input or setting discards the file. The output is written atomically at the end, in input order.
 """
@@ -21,8 +21,7 @@ import random
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,27 +248,37 @@ class _InProgress:
 
 def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine, settings: Settings,
                              count_tokens: Any, progress_path: Path, fingerprint: str, log: logging.Logger,
-                             chunk_size: int) -> tuple[list[dict[str, Any]], Counter]:
-    """Regenerate every conversation; resumable through `progress_path`. Returns kept conversations + counts."""
+                             pool_size: int, rolling: bool = True) -> tuple[list[dict[str, Any]], Counter]:
+    """Regenerate every conversation; resumable through `progress_path`. Returns kept conversations + counts.
+
+    Up to `pool_size` conversations are in progress; every round asks the engine for the next reply of each.
+    `rolling` refills the pool as conversations finish, so rounds stay full whatever the number of turns;
+    without it the pool is refilled only when empty (chunks wait for their longest conversation)."""
     finished = _load_progress(progress_path, fingerprint, log)
     counts: Counter = Counter(resumed=len(finished))
-    todo = [i for i in range(len(conversations)) if i not in finished]
+    waiting = deque(i for i in range(len(conversations)) if i not in finished)
     log.info("%d conversations, %d already done (resumed), %d to regenerate", len(conversations),
-             len(finished), len(todo))
-    progress = Progress(log, "regenerate", len(todo))
+             len(finished), len(waiting))
+    progress = Progress(log, "regenerate", len(waiting))
+    active: list[_InProgress] = []
     with open(progress_path, "a", encoding="utf-8") as sink:
         if progress_path.stat().st_size == 0:
             _append(sink, {"fingerprint": fingerprint})
-        for chunk in _chunks(todo, chunk_size):
-            states = [_InProgress(i, conversations[i]) for i in chunk]
-            tokens = _regenerate_chunk(states, engine, settings, count_tokens, counts, log)
-            for state in states:
-                record = _finished_record(state)
-                finished[state.index] = record
+        while waiting or active:
+            if rolling or not active:
+                while waiting and len(active) < pool_size:
+                    index = waiting.popleft()
+                    active.append(_InProgress(index, conversations[index]))
+            tokens = _advance(active, engine, settings, count_tokens, counts, log)
+            done = [state for state in active if state.done]
+            for state in done:
+                finished[state.index] = record = _finished_record(state)
                 _append(sink, {"index": state.index, **record})
-            sink.flush()
-            os.fsync(sink.fileno())
-            progress.update(len(chunk), tokens)
+            if done:
+                sink.flush()
+                os.fsync(sink.fileno())
+            active = [state for state in active if not state.done]
+            progress.update(len(done), tokens)
     progress.finish()
     kept = [finished[i]["conversation"] for i in range(len(conversations)) if "conversation" in finished[i]]
     counts["kept"] = len(kept)
@@ -277,47 +286,45 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
     return kept, counts
 
 
-def _regenerate_chunk(states: list[_InProgress], engine: Engine, settings: Settings, count_tokens: Any,
-                      counts: Counter, log: logging.Logger) -> int:
+def _advance(active: list[_InProgress], engine: Engine, settings: Settings, count_tokens: Any, counts: Counter,
+             log: logging.Logger) -> int:
+    """One round: the next reply of every active conversation (those with nothing left are marked done)."""
+    asking, histories = [], []
+    for state in active:
+        history = state.next_history()
+        if history is None:
+            continue
+        try:
+            context = count_tokens(history)
+        except TemplateError as exc:
+            state.dropped, state.done = "template_error", True
+            log.warning("conversation %s: %s", state.source["id"], exc)
+            continue
+        if context + settings.max_new_tokens > settings.max_context_tokens:
+            counts["cut_at_context_limit"] += 1
+            state.messages.pop()  # the user turn that would not fit, and everything after it
+            state.done = True
+            continue
+        asking.append(state)
+        histories.append(list(history))
+    if not asking:
+        return 0
     generated = 0
-    active = states
-    while active:
-        asking, histories = [], []
-        for state in active:
-            history = state.next_history()
-            if history is None:
-                continue
-            try:
-                context = count_tokens(history)
-            except TemplateError as exc:
-                state.dropped, state.done = "template_error", True
-                log.warning("conversation %s: %s", state.source["id"], exc)
-                continue
-            if context + settings.max_new_tokens > settings.max_context_tokens:
-                counts["cut_at_context_limit"] += 1
-                state.messages.pop()  # the user turn that would not fit, and everything after it
-                state.done = True
-                continue
-            asking.append(state)
-            histories.append(list(history))
-        if not asking:
-            break
-        seeds = [settings.seed * 1_000_003 + state.index * 101 + len(state.messages) for state in asking]
-        for state, reply in zip(asking, engine.reply(histories, seeds), strict=True):
-            if isinstance(reply, RequestRejected):
-                log.warning("conversation %s (record %d): rejected: %s", state.source["id"], state.index, reply)
-                state.dropped, state.done = "rejected_by_engine", True
-                continue
-            generated += reply.tokens
-            if not reply.text:
-                counts["empty_reply"] += 1
-                state.messages.pop()
-                state.done = True
-                continue
-            counts["replies"] += 1
-            counts["replies_cut_at_max_new_tokens"] += not reply.finished
-            state.messages.append({"role": "assistant", "content": reply.text})
-        active = [state for state in asking if not state.done]
+    seeds = [settings.seed * 1_000_003 + state.index * 101 + len(state.messages) for state in asking]
+    for state, reply in zip(asking, engine.reply(histories, seeds), strict=True):
+        if isinstance(reply, RequestRejected):
+            log.warning("conversation %s (record %d): rejected: %s", state.source["id"], state.index, reply)
+            state.dropped, state.done = "rejected_by_engine", True
+            continue
+        generated += reply.tokens
+        if not reply.text:
+            counts["empty_reply"] += 1
+            state.messages.pop()
+            state.done = True
+            continue
+        counts["replies"] += 1
+        counts["replies_cut_at_max_new_tokens"] += not reply.finished
+        state.messages.append({"role": "assistant", "content": reply.text})
     return generated
 
 
@@ -329,11 +336,6 @@ def _finished_record(state: _InProgress) -> dict[str, Any]:
     if state.dropped:
         return {"dropped": state.dropped, "id": state.source["id"]}
     return {"conversation": {**state.source, "messages": state.messages}}
-
-
-def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
 
 
 def _append(sink: Any, record: dict[str, Any]) -> None:
@@ -390,17 +392,17 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
 
     if settings.engine == "hf":
         engine: Engine = HFEngine(target_dir, settings, trust_remote_code)
-        chunk_size = settings.batch_size * 4
+        pool_size = settings.batch_size * 4
         log.info("engine: HF generate on %s, batch %d", engine.device, settings.batch_size)
     else:
         engine = OpenAIEngine(settings, log)
-        chunk_size = settings.concurrency * 4
+        pool_size = settings.concurrency * 4
         log.info("engine: OpenAI-compatible server %s, model %s, concurrency %d", engine.endpoint,
                  settings.model or "default", settings.concurrency)
     source = conversation_io.read_jsonl(conversation_file)
     progress_path = output.with_name(output.name + ".progress.jsonl")
     kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,
-                                            fingerprint(conversation_file, settings, identity), log, chunk_size)
+                                            fingerprint(conversation_file, settings, identity), log, pool_size)
     conversation_io.write_jsonl(kept, output)
     progress_path.unlink()
     summary = {"conversations_in": len(source), **{key: int(value) for key, value in sorted(counts.items())}}
