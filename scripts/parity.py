@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline import backends, logs, parity, target, token_shards
+from eagle3_pipeline.backends.hf import pick_device
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])
@@ -16,8 +17,8 @@ trust = snakemake.params.trust_remote_code
 shard = token_shards.read(Path(snakemake.input.tokens))
 sequences = [shard.sequence(i)[0][: settings["max_tokens"]] for i in range(min(settings["sequences"], len(shard)))]
 backend = backends.from_config(snakemake.params.extract, target_dir, trust)
-device = settings["device"] if settings["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-reference = target.load_model(target_dir, device=device, dtype=torch.float32, trust_remote_code=trust)
+reference = target.load_model(target_dir, device=pick_device(settings["device"]), dtype=torch.float32,
+                              trust_remote_code=trust)
 report = parity.check(backend, reference, sequences, log)
 if not report.passed:
     log.error("parity check FAILED for backend %s:\n  %s", report.backend, "\n  ".join(report.problems))

@@ -66,6 +66,16 @@ def sharegpt_record(record_id: str, turns: list[tuple[str, object]]) -> dict:
     return {"id": record_id, "conversations": [{"from": role, "value": value} for role, value in turns]}
 
 
+def send_json(handler, code: int, payload) -> None:
+    """Answer a request of a test HTTP server (BaseHTTPRequestHandler) with a JSON body."""
+    data = json.dumps(payload).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def tiny_conversations(count: int, seed: int = 0) -> list[dict]:
     """Short, varied real-looking conversations (user/assistant, some with a system prompt)."""
     import random

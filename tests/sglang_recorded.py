@@ -15,6 +15,8 @@ import torch
 
 from eagle3_pipeline import parity
 
+from .conftest import send_json
+
 DATA = Path(__file__).parent / "data" / "sglang"
 
 
@@ -47,7 +49,7 @@ class RecordedSGLang:
 
             def do_GET(self):
                 if self.path == "/get_server_info":
-                    return self._send(info)
+                    return send_json(self, 200, info)
                 self.send_error(404)
 
             def do_POST(self):
@@ -58,15 +60,7 @@ class RecordedSGLang:
                                                      "cached_tokens": 0, "finish_reason": {"type": "length"},
                                                      "hidden_states": [states(ids), [0.0]]}}
                          for i, ids in enumerate(body["input_ids"])]
-                self._send(items)
-
-            def _send(self, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, 200, items)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -18,6 +18,8 @@ import pytest
 from eagle3_pipeline import assets, conversations, regenerate, target
 from eagle3_pipeline.tokenization import render
 
+from .conftest import send_json
+
 LOG = logging.getLogger("test")
 
 CHATS = [
@@ -126,20 +128,12 @@ class FlakyChatServer:
                     fail = owner.failed < failures
                     owner.failed += fail
                 if fail:
-                    return self._send(503, {"error": "warming up"})
+                    return send_json(self, 503, {"error": "warming up"})
                 if "REJECT" in last:
-                    return self._send(400, {"error": "prompt is too long"})
-                return self._send(200, {"choices": [{"message": {"role": "assistant", "content": f"echo {last}"},
+                    return send_json(self, 400, {"error": "prompt is too long"})
+                return send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": f"echo {last}"},
                                                      "finish_reason": "stop"}],
                                         "usage": {"completion_tokens": 3}})
-
-            def _send(self, code, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -341,13 +341,6 @@ def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, 
     return results
 
 
-def run(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-        max_new: int, log: Any) -> dict[str, Any]:
-    by_method = decode_all(target, tokenizer, prompts, drafters, ks, max_new, log)
-    return {"summary": summarise_methods(by_method, log),
-            "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
-
-
 # ---------------------------------------------------------------- the rule's job, optionally in worker processes
 
 def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from . import hidden_store, token_shards
-from .backends import Backend
+from .backends import Backend, finite_rows
 from .logs import Progress
 
 
@@ -58,10 +58,6 @@ def reorder(shard: token_shards.TokenShard, order: np.ndarray) -> dict[str, Any]
         "seq_offsets": offsets,
         "sample_ids": [shard.sample_ids[int(j)] for j in order],
     }
-
-
-def finite_rows(aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
 
 
 def check_finite(finite: torch.Tensor, batch: Batch, offsets: np.ndarray, sample_ids: list[str],

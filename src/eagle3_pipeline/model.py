@@ -131,10 +131,7 @@ class Attention(nn.Module):
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
         """x [B,T,2H]. With `cache` (TTT), step k attends to step 0 causally and to its own position at steps 1..k."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k, v = self._project(x, cos, sin)
         if cache is not None:
             cache.append((k, v))  # un-repeated keys/values of this step
         if self.implementation == "flex" and cache is not None:
@@ -148,6 +145,15 @@ class Attention(nn.Module):
             out = self._ttt_attention(q, key_padding, cache)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B,heads,T,d], k and v [B,kv_heads,T,d], rotary applied to q and k."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.heads // self.kv_heads
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -156,17 +162,12 @@ class Attention(nn.Module):
                past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         """Inference with a KV cache: new rows attend to every cached row and causally to each other."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k, v = self._project(x, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        groups = self.heads // self.kv_heads
         cached = k.shape[2] - length
         mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=cached)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
-                                             attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
     def _ttt_attention(self, q, key_padding, cache):

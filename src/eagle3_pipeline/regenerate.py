@@ -103,11 +103,10 @@ class HFEngine:
         import torch
 
         from . import target
+        from .backends.hf import pick_device
 
         self.torch = torch
-        device = settings.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = pick_device(settings.device)
         dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
         self.settings, self.device = settings, device
         self.tokenizer = target.load_tokenizer(target_dir, trust_remote_code)

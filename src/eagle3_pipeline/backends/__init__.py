@@ -33,6 +33,11 @@ class HiddenStates:
     last: torch.Tensor  # [T, H] bf16
 
 
+def finite_rows(aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the row has no NaN/Inf in its aux [N,3,H] or last [N,H] states."""
+    return torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
+
+
 class Backend(Protocol):
     info: BackendInfo
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import transformers
 
-from . import BackendInfo, HiddenStates, check_aux_layer_ids, default_aux_layer_ids
+from . import BackendInfo, HiddenStates, check_aux_layer_ids, default_aux_layer_ids, finite_rows
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -103,7 +103,7 @@ def pack_to_host(aux: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, wait
     the CPU seconds, the GPU microseconds), copy to (pinned) host memory."""
     aux_rows = aux[mask].to(torch.bfloat16)
     last_rows = last[mask].to(torch.bfloat16)
-    finite = torch.isfinite(aux_rows).flatten(1).all(1) & torch.isfinite(last_rows).all(1)
+    finite = finite_rows(aux_rows, last_rows)
     if aux_rows.device.type != "cuda":
         return (aux_rows, last_rows, finite) if wait else (aux_rows, last_rows, finite, None)
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux_rows, last_rows, finite)]
