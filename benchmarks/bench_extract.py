@@ -107,10 +107,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=Path)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--budget", type=int, default=65536)
-    parser.add_argument("--writer-threads", type=int, default=8)
+    parser.add_argument("--writer-threads", type=int, nargs="+", default=[1, 8],
+                        help="the 8B run is repeated for each count; the SmolLM2 run uses the largest")
     parser.add_argument("--baseline-sequences", type=int, default=200)
     parser.add_argument("--big", action="store_true", help="also the 8B-shaped random Llama")
-    parser.add_argument("--big-sequences", type=int, default=64)
+    parser.add_argument("--big-sequences", type=int, default=64,
+                        help="more sequences weigh the pipeline's fill and drain (one batch each) less")
     parser.add_argument("--only-big", action="store_true", help="only the 8B-shaped run (no --target/--tokens)")
     args = parser.parse_args()
     if not args.only_big and not (args.target and args.tokens):
@@ -133,7 +135,7 @@ def main() -> None:
     forward_ceiling(backend, sequences[:50], args.budget, device)  # warm-up
     baseline = seed_style(model, sequences[: args.baseline_sequences], aux, device)
     ceiling = forward_ceiling(backend, sequences, args.budget, device)
-    rate, tokens, disk = ours(backend, args.tokens, args.budget, args.writer_threads, workdir)
+    rate, tokens, disk = ours(backend, args.tokens, args.budget, max(args.writer_threads), workdir)
     report(f"SmolLM2-135M, real ShareGPT shard {args.tokens.name}, {device}", baseline, ceiling, rate, tokens, disk,
            backend.info.hidden_size)
     del model, backend
@@ -158,7 +160,7 @@ def big(args, device, workdir) -> None:
     forward_ceiling(backend, sequences[:8], 16384, device)
     baseline = seed_style(model, sequences[:8], list(backend.info.aux_layer_ids), device)
     ceiling = forward_ceiling(backend, sequences, 16384, device)
-    for threads in sorted({1, args.writer_threads}):
+    for threads in sorted(set(args.writer_threads)):
         rate, tokens, disk = ours(backend, shard_path, 16384, threads, workdir)
         report(f"8B-shaped Llama (random weights, 2048-token sequences), {device}, {threads} writer thread(s)",
                baseline, ceiling, rate, tokens, disk, 4096)

@@ -1,53 +1,84 @@
 #!/usr/bin/env bash
-# GPU session helper (H200; two GPUs for `train`): run after ../shared/hooks/device-stage.sh --with-snakemake has
-# unpacked the model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh data|train|evaluate OUTDIR
-#   data      config/examples/gpu-smollm2.yaml through the hidden stores (regenerate, tokenize, parity, extract)
-#             on GPU 0, while GPU 1 runs benchmarks/bench_train.py and bench_extract.py --only-big
-#   train     training + export on GPU 0, while benchmarks/compare_ddp.py trains 1-GPU and 2-GPU runs
-#   evaluate  evaluation, plots and the HTML report
-# Extra config (device paths) comes from $DEVICE_CONFIG (e.g. "--configfile .device/3/device.yaml").
+# GPU session helper (H200s), run after ../shared/hooks/device-stage.sh --with-snakemake has unpacked the
+# model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
+#   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and its control
+#             gpu-smollm2-no-regen.yaml on GPU 1 (last GPU), each through evaluation and its HTML report.
+#             BENCH=1 first runs bench_extract.py --only-big on GPU 1. Calls stop at $LIMIT seconds; the same
+#             command in the next call resumes both runs (regeneration keeps finished conversations).
+#   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
+#   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
+# Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
 set -uo pipefail
 stage=$1 out=$2
 export PYTHONPATH=/opt/e3/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-run=results/smollm2-gpu
-smk=(python3 -m snakemake --configfile config/examples/gpu-smollm2.yaml ${DEVICE_CONFIG:-} --cores all
-     --resources gpu=4 --scheduler greedy --rerun-incomplete)
 limit=${LIMIT:-540}
+deadline=$((SECONDS + limit))
+last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m snakemake --unlock --configfile config/examples/gpu-smollm2.yaml ${DEVICE_CONFIG:-} >/dev/null 2>&1
-keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
-  files=(logs)
-  for f in conversations/ingest_report.json vocab/data_stats.json parity reports train/summary.json \
-           train/metrics.csv train/config_snapshot.yaml evaluation report serving/drafter/config.json; do
-    [ -e "$run/$f" ] && files+=("$run/$f")
-  done
-  [ -e $run/regenerated/shard-00000.jsonl ] && head -c 200000 $run/regenerated/shard-00000.jsonl > regenerated-sample.jsonl \
-    && files+=(regenerated-sample.jsonl)
-  tar czf "$out/$stage-bundle.tar.gz" "${files[@]}" /tmp/ddp/*.txt /tmp/ddp/*/train.log /tmp/ddp/*/metrics.csv 2>/dev/null
+example=config/examples/gpu-smollm2.yaml
+control=config/examples/gpu-smollm2-no-regen.yaml
+
+snakemake_for() {  # snakemake_for CONFIGS...: sets $cmd, one pipeline run's snakemake command line
+  cmd=(python3 -m snakemake --configfile "$@" ${DEVICE_CONFIG:-} --cores all --resources gpu=2
+       --scheduler greedy --rerun-incomplete)
 }
+
+bench_extract() {  # the 8B shape: as in earlier sessions (64 sequences), then 3x longer (fill/drain weigh less)
+  for sequences in 64 192; do
+    timeout 150 python3 benchmarks/bench_extract.py --only-big --writer-threads 16 --big-sequences $sequences 2>&1 \
+      | grep -v Warning
+  done
+}
+
+pipeline() {  # pipeline NAME CONFIGS...: run to the end (or the deadline), then the report if it finished
+  local name=$1; shift
+  local left=$((deadline - SECONDS)) cmd
+  [ $left -gt 30 ] || { echo "$name: no time left in this call"; return; }
+  snakemake_for "$@"
+  timeout $left "${cmd[@]}" >> "$out/$name.log" 2>&1
+  echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$name.log"
+  if "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
+    "${cmd[@]}" --report "$out/$name-report.html" >> "$out/$name.log" 2>&1 && echo "$name: report written"
+  fi
+}
+
+keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
+  local files=()
+  for run in results/smollm2-gpu results/smollm2-gpu-no-regen; do
+    for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
+             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation report \
+             serving/drafter/config.json; do
+      [ -e "$run/$f" ] && files+=("$run/$f")
+    done
+  done
+  [ -e results/smollm2-gpu/regenerated/shard-00000.jsonl ] && \
+    head -c 200000 results/smollm2-gpu/regenerated/shard-00000.jsonl > regenerated-sample.jsonl && \
+    files+=(regenerated-sample.jsonl)
+  tar czf "$out/$stage-bundle.tar.gz" logs "${files[@]}" /tmp/ddp/*.txt /tmp/ddp/*/train.log 2>/dev/null
+}
+
 case $stage in
-  data)
-    (export CUDA_VISIBLE_DEVICES=1
-     timeout $((limit - 20)) python3 benchmarks/bench_train.py > "$out/bench_train.txt" 2>&1
-     timeout 200 python3 benchmarks/bench_extract.py --only-big --writer-threads 16 2>&1 | grep -v Warning \
-       > "$out/bench_extract.txt") &
-    "${smk[@]}" -n 2>&1 | grep -A5 "Disk plan" > "$out/plan.txt"
-    CUDA_VISIBLE_DEVICES=0 timeout $limit "${smk[@]}" $run/reports/disk_plan_vs_actual.json > "$out/data.log" 2>&1
-    echo "snakemake exit $?"; tail -4 "$out/data.log"
-    wait; cat "$out/plan.txt" "$out/bench_train.txt" "$out/bench_extract.txt"
+  compare)
+    snakemake_for $example
+    "${cmd[@]}" --unlock >/dev/null 2>&1  # a call stopped at its limit leaves the locks behind
+    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"
+    (export CUDA_VISIBLE_DEVICES=0; pipeline regen $example) &
+    (export CUDA_VISIBLE_DEVICES=$last_gpu
+     [ "${BENCH:-0}" = 1 ] && bench_extract > "$out/bench_extract.txt"
+     pipeline no-regen $example $control) &
+    wait
+    cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
-  train)
+  benches)
+    (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &
+    CUDA_VISIBLE_DEVICES=0 timeout $((limit - 20)) python3 benchmarks/bench_train.py > "$out/bench_train.txt" 2>&1
+    wait; cat "$out/bench_train.txt" "$out/bench_extract.txt"
+    ;;
+  ddp)
     mkdir -p /tmp/ddp
-    (timeout $limit python3 benchmarks/compare_ddp.py --run-dir $run --gpus 2 --steps ${DDP_STEPS:-100} \
-       --out /tmp/ddp > "$out/ddp.txt" 2>&1) &
-    CUDA_VISIBLE_DEVICES=0 timeout $limit "${smk[@]}" $run/serving/drafter > "$out/train.log" 2>&1
-    echo "snakemake exit $?"; tail -4 "$out/train.log"
-    wait; tail -25 "$out/ddp.txt"; cp /tmp/ddp/ddp_loss_curves.png "$out/" 2>/dev/null
-    ;;
-  evaluate)
-    CUDA_VISIBLE_DEVICES=0 timeout $limit "${smk[@]}" > "$out/evaluate.log" 2>&1; echo "snakemake exit $?"
-    tail -4 "$out/evaluate.log"
-    "${smk[@]}" --report "$out/report.html" >> "$out/evaluate.log" 2>&1
+    timeout $limit python3 benchmarks/compare_ddp.py --run-dir results/smollm2-gpu --gpus 2 \
+      --steps "${DDP_STEPS:-100}" --out /tmp/ddp > "$out/ddp.txt" 2>&1
+    tail -25 "$out/ddp.txt"; cp /tmp/ddp/ddp_loss_curves.png "$out/" 2>/dev/null
     ;;
 esac
 keep

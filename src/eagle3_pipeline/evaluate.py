@@ -295,34 +295,33 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
                max_new: int, log: Any) -> dict[str, list[Trace]]:
-    """Every method on every prompt; traces by method ("target", "eagle3@k=4", ...). Lossless is checked here."""
+    """Every method on every prompt; traces by method ("target", "eagle3@k=4", ...). Lossless is checked here.
+
+    Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
+    the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     encoded = encode_prompts(tokenizer, prompts)
-    # Warm-up so the first timed prompt does not pay for lazy initialisation.
-    greedy(target, encoded[0][1], 4, eos, "warmup")
-    progress = Progress(log, "target greedy", len(encoded))
-    reference = {}
-    for pid, ids in encoded:
-        reference[pid] = greedy(target, ids, max_new, eos, pid)
-        progress.update(1, len(reference[pid].tokens))
-    by_method: dict[str, list[Trace]] = {"target": list(reference.values())}
+    methods: dict[str, tuple[DraftFn, int]] = {}
     for k in ks:
-        methods: dict[str, DraftFn] = {"prompt-lookup": prompt_lookup()}
+        methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
         for name, drafter in drafters.items():
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
-            methods[name] = DrafterProposer(drafter)
-        for name, propose in methods.items():
-            traces = []
-            progress = Progress(log, f"{name}@k={k}", len(encoded))
-            for pid, ids in encoded:
-                if isinstance(propose, DrafterProposer):
-                    propose.reset()
-                trace = speculative(target, propose, ids, k, max_new, eos, pid, f"{name}@k={k}")
-                check_lossless(trace, reference[pid])
-                traces.append(trace)
-                progress.update(1, len(trace.tokens))
-            by_method[f"{name}@k={k}"] = traces
+            methods[f"{name}@k={k}"] = (DrafterProposer(drafter), k)
+    # Warm-up so the first timed prompt does not pay for lazy initialisation.
+    greedy(target, encoded[0][1], 4, eos, "warmup")
+    by_method: dict[str, list[Trace]] = {"target": [], **{method: [] for method in methods}}
+    progress = Progress(log, "prompts (all methods)", len(encoded))
+    for pid, ids in encoded:
+        reference = greedy(target, ids, max_new, eos, pid)
+        by_method["target"].append(reference)
+        for method, (propose, k) in methods.items():
+            if isinstance(propose, DrafterProposer):
+                propose.reset()
+            trace = speculative(target, propose, ids, k, max_new, eos, pid, method)
+            check_lossless(trace, reference)
+            by_method[method].append(trace)
+        progress.update(1, len(reference.tokens))
     return by_method
 
 
