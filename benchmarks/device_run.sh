@@ -4,14 +4,14 @@
 #   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and its control
 #             gpu-smollm2-no-regen.yaml on GPU 1 (last GPU), each through evaluation and its HTML report.
 #             BENCH=1 first runs bench_extract.py --only-big on GPU 1. Calls stop at $LIMIT seconds; the same
-#             command in the next call resumes both runs (regeneration keeps finished conversations).
+#             command in the next call resumes both runs (regeneration and evaluation keep finished work).
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
 set -uo pipefail
 stage=$1 out=$2
 export PYTHONPATH=/opt/e3/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-limit=${LIMIT:-540}
+limit=${LIMIT:-500}  # leave the call ~100 s for stopping, reports and the archive
 deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -35,7 +35,9 @@ pipeline() {  # pipeline NAME CONFIGS...: run to the end (or the deadline), then
   local left=$((deadline - SECONDS)) cmd
   [ $left -gt 30 ] || { echo "$name: no time left in this call"; return; }
   snakemake_for "$@"
-  timeout $left "${cmd[@]}" >> "$out/$name.log" 2>&1
+  # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
+  # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
+  timeout -k 20 $left "${cmd[@]}" >> "$out/$name.log" 2>&1
   echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$name.log"
   if "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
     "${cmd[@]}" --report "$out/$name-report.html" >> "$out/$name.log" 2>&1 && echo "$name: report written"

@@ -1,6 +1,7 @@
 """Rule `evaluate`: speculative decoding on one prompt set with the exported drafter and the baselines."""
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,7 +16,12 @@ prompts = evaluate.load_prompts(Path(snakemake.input.prompts), settings["max_pro
 log.info("evaluating %d prompts from %s on %s (%s), k in %s, %d worker process(es)", len(prompts),
          snakemake.input.prompts, settings["device"], settings["dtype"], settings["draft_lengths"],
          settings["workers"])
+output = Path(snakemake.output[0])
+progress_dir = output.with_name(output.name + ".progress")  # beside the output: kept when the job is killed
 results = evaluate.run_job(Path(snakemake.input.target), Path(snakemake.input.serving), prompts, settings,
-                           snakemake.params.trust_remote_code, snakemake.log[0], log)
+                           snakemake.params.trust_remote_code, snakemake.log[0], log, progress_dir)
 results["prompt_file"] = str(snakemake.input.prompts)
-Path(snakemake.output[0]).write_text(json.dumps(results, indent=2))
+partial = output.with_name(output.name + ".partial")
+partial.write_text(json.dumps(results, indent=2))
+partial.replace(output)
+shutil.rmtree(progress_dir)

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import signal
 import struct
+import subprocess
+import time
 
 import pytest
 
-from .conftest import base_config, run_snakemake
+from .conftest import base_config, run_snakemake, snakemake_command
 from .test_workflow_data import tiny_dataset
 
 pytestmark = pytest.mark.workflow
 
 
-def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
+def tiny_run_config(tmp_path, target_dir) -> dict:
     tiny_dataset(tmp_path / "chats.json")
-    config = base_config(
+    return base_config(
         run="tiny", target={"source": str(target_dir)},
         data={"inputs": [str(tmp_path / "chats.json")], "num_shards": 2, "train_conversations": None,
               "eval_conversations": 4, "max_seq_len": 128},
@@ -27,6 +31,10 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
                "checkpoint_every": 5, "log_every": 1, "num_workers": 0, "threads": 2},
         evaluate={"prompts": ["mtbench-package", "held-out"], "max_prompts": 2, "max_new_tokens": 6,
                   "draft_lengths": [2], "device": "cpu", "workers": 2})
+
+
+def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
+    config = tiny_run_config(tmp_path, target_dir)
     run_snakemake(tmp_path, config)
     results = tmp_path / "results" / "tiny"
     for prompt_set in ("mtbench-package", "held-out"):
@@ -50,3 +58,40 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     for name in ("acceptance_by_position.png", "training_curves.png", "disk_plan_vs_actual.png",
                  "tau_and_speedup.csv", "provenance.json", "mtbench-package.json"):
         assert name in html
+
+
+def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, target_dir):
+    config = tiny_run_config(tmp_path, target_dir)
+    config["evaluate"] = {**config["evaluate"], "prompts": ["mtbench-package"], "max_prompts": 5,
+                          "max_new_tokens": 24, "workers": 1}
+    run_snakemake(tmp_path, config, "results/tiny/serving/drafter")
+    output = tmp_path / "results" / "tiny" / "evaluation" / "mtbench-package.json"
+    progress = output.with_name(output.name + ".progress")
+    process = subprocess.Popen(snakemake_command(tmp_path, config, str(output.relative_to(tmp_path))),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and sum(len(f.read_text().splitlines()) for f in progress.glob("*.jsonl")) < 2:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = {}
+    for part in progress.glob("*.jsonl"):
+        for line in part.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the line the kill cut short
+            before[record["prompt_id"]] = record["traces"]
+    assert 2 <= len(before) < 5 and not output.exists(), "the kill did not land during the evaluation"
+    run_snakemake(tmp_path, config, "--unlock")
+    run_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))
+    log = (tmp_path / "logs" / "tiny" / "evaluate" / "mtbench-package.log").read_text()
+    assert f"resuming: {len(before)} of 5 prompts already decoded" in log
+    traces = json.loads(output.read_text())["traces"]
+    assert sorted(t["prompt_id"] for t in traces if t["method"] == "target") == sorted(
+        t["prompt_id"] for t in traces if t["method"] == "eagle3@k=2")
+    assert len([t for t in traces if t["method"] == "target"]) == 5
+    for trace in traces:  # finished prompts are kept as they were (their timings too), not decoded again
+        if trace["prompt_id"] in before:
+            assert trace["total_seconds"] == before[trace["prompt_id"]][trace["method"]]["total_seconds"]
+    assert not progress.exists()

@@ -8,12 +8,19 @@ target's greedy tokens exactly (lossless); a mismatch raises naming the prompt.
 Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
 prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
 The drafter keeps its own KV cache of real (target-feature) rows; chain rows are dropped after each verify.
+
+Resume: every finished prompt (all its methods' traces) is appended to `<output>.progress/`; a rerun after a
+kill decodes only the prompts not there. A fingerprint of the drafter's weights, the target and the
+output-defining settings guards it: anything else changed starts over.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -172,19 +179,19 @@ class DrafterProposer:
         logits, hidden, self.cache = self.drafter.decode(new_tokens, hidden, positions, self.cache)
         self.done = n
         real = self.cache
-        drafts = []
         hidden = hidden[:, -1:]
         token = self.drafter.draft_to_target(logits[0, -1].argmax())
-        for step in range(k):
-            drafts.append(int(token))
-            if step == k - 1:
-                break
+        drafts = [token]
+        for _ in range(k - 1):
             # chain rows reuse the last real position, as in training-time test
             logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden,
                                                              positions[:, -1:], self.cache)
             token = self.drafter.draft_to_target(logits[0, -1].argmax())
+            drafts.append(token)
         self.cache = real  # chain rows are speculative; the next call appends the verified real rows
-        return drafts
+        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
+        # (and, with other processes on the GPU, wait for a time slice each time).
+        return torch.stack(drafts).tolist()
 
 
 def prompt_lookup(max_ngram: int = 3) -> DraftFn:
@@ -294,7 +301,8 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 
 def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-               max_new: int, log: Any) -> dict[str, list[Trace]]:
+               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None] | None = None
+               ) -> dict[str, list[Trace]]:
     """Every method on every prompt; traces by method ("target", "eagle3@k=4", ...). Lossless is checked here.
 
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
@@ -314,13 +322,16 @@ def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: 
     progress = Progress(log, "prompts (all methods)", len(encoded))
     for pid, ids in encoded:
         reference = greedy(target, ids, max_new, eos, pid)
-        by_method["target"].append(reference)
+        finished = {"target": reference}
         for method, (propose, k) in methods.items():
             if isinstance(propose, DrafterProposer):
                 propose.reset()
-            trace = speculative(target, propose, ids, k, max_new, eos, pid, method)
+            finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, pid, method)
             check_lossless(trace, reference)
+        for method, trace in finished.items():
             by_method[method].append(trace)
+        if on_prompt is not None:
+            on_prompt(finished)
         progress.update(1, len(reference.tokens))
     return by_method
 
@@ -338,6 +349,70 @@ def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, 
                  [round(a, 3) for a in summary["acceptance_by_position"]], summary["tokens_per_s"],
                  summary["speedup_vs_target"])
     return results
+
+
+# ---------------------------------------------------------------- resume after a kill
+
+def prompt_digest(prompt: Prompt) -> str:
+    return hashlib.sha256(json.dumps(prompt.messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint(target_dir: Path, serving_dir: Path, settings: dict[str, Any]) -> str:
+    """What decides the traces: the drafter's files, the target and the output-defining settings."""
+    from . import target
+
+    digest = hashlib.sha256(target.read_identity(target_dir)["content_hash"].encode())
+    for path in sorted(Path(serving_dir).iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    defining = {key: settings.get(key) for key in ("dtype", "max_new_tokens", "draft_lengths", "untrained_baseline")}
+    digest.update(json.dumps(defining, sort_keys=True).encode())
+    return digest.hexdigest()[:24]
+
+
+class PromptProgress:
+    """`<output>.progress/`: a fingerprint file and one append-only JSONL file per writing process (workers
+    never share a file, so lines cannot interleave). A torn last line (a kill mid-write) is ignored."""
+
+    def __init__(self, directory: Path, fingerprint: str, log: Any):
+        self.directory = Path(directory)
+        stamp = self.directory / "fingerprint"
+        if self.directory.exists() and (not stamp.exists() or stamp.read_text() != fingerprint):
+            log.warning("%s: written for another drafter, target or settings; starting over", self.directory)
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(fingerprint)
+
+    def finished(self, prompts: list[Prompt]) -> dict[str, dict[str, Trace]]:
+        """Traces by prompt id, for prompts whose text is unchanged."""
+        digests = {p.prompt_id: prompt_digest(p) for p in prompts}
+        done: dict[str, dict[str, Trace]] = {}
+        for part in sorted(self.directory.glob("*.jsonl")):
+            for line in part.read_text(encoding="utf-8").split("\n"):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # the line a kill cut short; nothing follows it in this file
+                if digests.get(record["prompt_id"]) == record["digest"]:
+                    done[record["prompt_id"]] = {m: Trace(**t) for m, t in record["traces"].items()}
+        return done
+
+    def appender(self, prompts: list[Prompt]) -> Callable[[dict[str, Trace]], None]:
+        """A callback for decode_all writing this process's own file, flushed to disk per prompt."""
+        digests = {p.prompt_id: prompt_digest(p) for p in prompts}
+        path = self.directory / f"{os.getpid()}-{time.time_ns()}.jsonl"
+
+        def append(traces: dict[str, Trace]) -> None:
+            prompt_id = traces["target"].prompt_id
+            record = {"prompt_id": prompt_id, "digest": digests[prompt_id],
+                      "traces": {m: asdict(t) for m, t in traces.items()}}
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        return append
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the rule's job, optionally in worker processes
@@ -361,25 +436,28 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
     return Target(model, drafter.config.aux_layer_ids), tokenizer, drafters
 
 
-def worker_main(job_path: Path, result_path: Path) -> None:
-    """One worker process: `python -m eagle3_pipeline.evaluate JOB.json RESULT.json` (see run_job)."""
+def worker_main(job_path: Path) -> None:
+    """One worker process: `python -m eagle3_pipeline.evaluate JOB.json` (see run_job). Its traces go to
+    the progress directory, prompt by prompt."""
     from . import logs
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(job["threads"])
     log = logs.setup(job["log"], name=f"evaluate.worker{job['index']}", append=True)
     prompts = [Prompt(**p) for p in job["prompts"]]
-    target, tokenizer, drafters = load_models(Path(job["target_dir"]), Path(job["serving_dir"]), job["settings"],
-                                              job["trust"])
-    by_method = decode_all(target, tokenizer, prompts, drafters, job["settings"]["draft_lengths"],
-                           job["settings"]["max_new_tokens"], log)
-    partial = Path(str(result_path) + ".partial")
-    partial.write_text(json.dumps({m: [asdict(t) for t in traces] for m, traces in by_method.items()}))
-    partial.replace(result_path)
+    progress = PromptProgress(Path(job["progress_dir"]), job["fingerprint"], log)
+    _decode(Path(job["target_dir"]), Path(job["serving_dir"]), prompts, job["settings"], job["trust"],
+            progress, log)
 
 
-def _run_workers(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
-                 trust_remote_code: bool, log_path: str, workers: int) -> list[dict[str, list[Trace]]]:
+def _decode(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
+            trust_remote_code: bool, progress: PromptProgress, log: Any) -> None:
+    target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code)
+    decode_all(target, tokenizer, prompts, drafters, settings["draft_lengths"], settings["max_new_tokens"], log,
+               on_prompt=progress.appender(prompts))
+
+
+def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> None:
     """Plain subprocesses (not multiprocessing: its spawn re-runs the rule's script in every child)."""
     import subprocess
     import sys
@@ -388,39 +466,49 @@ def _run_workers(target_dir: Path, serving_dir: Path, prompts: list[Prompt], set
     with tempfile.TemporaryDirectory(prefix="evaluate-") as scratch:
         running = []
         for i in range(workers):
-            job = {"index": i, "prompts": [asdict(p) for p in prompts[i::workers]], "target_dir": str(target_dir),
-                   "serving_dir": str(serving_dir), "settings": settings, "trust": trust_remote_code,
-                   "log": log_path, "threads": max(1, torch.get_num_threads() // workers)}
-            job_path, result_path = Path(scratch) / f"job{i}.json", Path(scratch) / f"result{i}.json"
-            job_path.write_text(json.dumps(job))
-            running.append((subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.evaluate", str(job_path),
-                                              str(result_path)]), result_path))
-        failed = [i for i, (process, _) in enumerate(running) if process.wait() != 0]
-        if failed:
-            raise RuntimeError(f"evaluation workers {failed} failed; their errors are in {log_path}")
-        return [{method: [Trace(**t) for t in traces] for method, traces in json.loads(path.read_text()).items()}
-                for _, path in running]
+            job_path = Path(scratch) / f"job{i}.json"
+            job_path.write_text(json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts[i::workers]],
+                                            "threads": max(1, torch.get_num_threads() // workers)}))
+            running.append(subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.evaluate", str(job_path)]))
+        failed = [i for i, process in enumerate(running) if process.wait() != 0]
+    if failed:
+        raise RuntimeError(f"evaluation workers {failed} failed; their errors are in {job['log']} "
+                           "(finished prompts are kept: rerun to resume)")
 
 
 def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
-            trust_remote_code: bool, log_path: str, log: Any) -> dict[str, Any]:
+            trust_remote_code: bool, log_path: str, log: Any, progress_dir: Path) -> dict[str, Any]:
     """Evaluate; with `settings["workers"] > 1`, prompts are split over that many processes sharing the device.
 
     Decoding a small target is bound by Python and kernel launches, not by the GPU, so workers scale almost
-    linearly; each worker times every method on its own prompts under the same load, so ratios stay fair."""
-    workers = min(settings.get("workers", 1), len(prompts))
-    if workers <= 1:
-        target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code)
-        by_method = decode_all(target, tokenizer, prompts, drafters, settings["draft_lengths"],
-                               settings["max_new_tokens"], log)
-    else:
-        parts = _run_workers(target_dir, serving_dir, prompts, settings, trust_remote_code, log_path, workers)
-        order = {p.prompt_id: i for i, p in enumerate(prompts)}
-        by_method = {method: sorted((t for part in parts for t in part[method]), key=lambda t: order[t.prompt_id])
-                     for method in parts[0]}
+    linearly; each worker times every method on its own prompts under the same load, so ratios stay fair.
+    Prompts finished by an earlier, killed run (in `progress_dir`) are not decoded again."""
+    stamp = fingerprint(target_dir, serving_dir, settings)
+    progress = PromptProgress(progress_dir, stamp, log)
+    already = progress.finished(prompts)
+    todo = [p for p in prompts if p.prompt_id not in already]
+    if len(todo) < len(prompts):
+        log.info("resuming: %d of %d prompts already decoded (%s)", len(prompts) - len(todo), len(prompts),
+                 progress_dir)
+    workers = min(settings.get("workers", 1), len(todo))
+    if workers == 1:
+        _decode(target_dir, serving_dir, todo, settings, trust_remote_code, progress, log)
+    elif workers > 1:
+        job = {"target_dir": str(target_dir), "serving_dir": str(serving_dir), "settings": settings,
+               "trust": trust_remote_code, "log": log_path, "progress_dir": str(progress_dir),
+               "fingerprint": stamp}
+        _run_workers(job, todo, workers)
+    finished = progress.finished(prompts)
+    missing = [p.prompt_id for p in prompts if p.prompt_id not in finished]
+    if missing:
+        raise RuntimeError(f"{progress_dir}: no traces for prompts {missing[:5]} after decoding")
+    by_method: dict[str, list[Trace]] = {}
+    for prompt in prompts:
+        for method, trace in finished[prompt.prompt_id].items():
+            by_method.setdefault(method, []).append(trace)
     from .backends.hf import pick_device
 
-    return {"summary": summarise_methods(by_method, log), "workers": workers,
+    return {"summary": summarise_methods(by_method, log), "workers": max(workers, 1),
             "device": pick_device(settings["device"]),
             "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
 
@@ -428,4 +516,4 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
 if __name__ == "__main__":
     import sys
 
-    worker_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    worker_main(Path(sys.argv[1]))
