@@ -3,8 +3,9 @@
 # model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
 #   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and its control
 #             gpu-smollm2-no-regen.yaml on GPU 1 (last GPU), each through evaluation and its HTML report.
-#             BENCH=1 first runs bench_extract.py --only-big on GPU 1. Calls stop at $LIMIT seconds; the same
-#             command in the next call resumes both runs (regeneration and evaluation keep finished work).
+#             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the control.
+#             Calls stop at $LIMIT seconds; the same command in the next call resumes both runs
+#             (regeneration and evaluation keep finished work while the machine stays warm).
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
@@ -67,7 +68,7 @@ case $stage in
     (export CUDA_VISIBLE_DEVICES=0; pipeline regen $example) &
     (export CUDA_VISIBLE_DEVICES=$last_gpu
      [ "${BENCH:-0}" = 1 ] && bench_extract > "$out/bench_extract.txt"
-     pipeline no-regen $example $control) &
+     [ "${CONTROL:-1}" = 1 ] && pipeline no-regen $example $control) &
     wait
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
