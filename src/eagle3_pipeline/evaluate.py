@@ -301,9 +301,9 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 
 def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None] | None = None
-               ) -> dict[str, list[Trace]]:
-    """Every method on every prompt; traces by method ("target", "eagle3@k=4", ...). Lossless is checked here.
+               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None]) -> None:
+    """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
+    ...) as soon as the prompt is done. Lossless is checked here.
 
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
@@ -318,7 +318,6 @@ def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: 
             methods[f"{name}@k={k}"] = (DrafterProposer(drafter), k)
     # Warm-up so the first timed prompt does not pay for lazy initialisation.
     greedy(target, encoded[0][1], 4, eos, "warmup")
-    by_method: dict[str, list[Trace]] = {"target": [], **{method: [] for method in methods}}
     progress = Progress(log, "prompts (all methods)", len(encoded))
     for pid, ids in encoded:
         reference = greedy(target, ids, max_new, eos, pid)
@@ -328,12 +327,8 @@ def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: 
                 propose.reset()
             finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, pid, method)
             check_lossless(trace, reference)
-        for method, trace in finished.items():
-            by_method[method].append(trace)
-        if on_prompt is not None:
-            on_prompt(finished)
+        on_prompt(finished)
         progress.update(1, len(reference.tokens))
-    return by_method
 
 
 def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:
@@ -410,9 +405,6 @@ class PromptProgress:
                 handle.flush()
                 os.fsync(handle.fileno())
         return append
-
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the rule's job, optionally in worker processes
