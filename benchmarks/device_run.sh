@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU session helper (H200s), run after ../shared/hooks/device-stage.sh --with-snakemake has unpacked the
 # model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
-#   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and its control
-#             gpu-smollm2-no-regen.yaml on GPU 1 (last GPU), each through evaluation and its HTML report.
-#             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the control.
+#   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and a second run on GPU 1 (last GPU),
+#             each through evaluation and its HTML report. The second run's overlays are $SECOND (default: the
+#             control gpu-smollm2-no-regen.yaml), given after $DEVICE_CONFIG, so they may override it.
+#             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the second run.
 #             Calls stop at $LIMIT seconds; the same command in the next call resumes both runs
 #             (regeneration and evaluation keep finished work while the machine stays warm).
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
@@ -17,10 +18,11 @@ deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
-control=config/examples/gpu-smollm2-no-regen.yaml
+read -ra second <<< "${SECOND:-config/examples/gpu-smollm2-no-regen.yaml}"
+second_name=$(grep -h '^run:' "${second[@]}" | tail -1 | awk '{print $2}')
 
-snakemake_for() {  # snakemake_for CONFIGS...: sets $cmd, one pipeline run's snakemake command line
-  cmd=(python3 -m snakemake --configfile "$@" ${DEVICE_CONFIG:-} --cores all --resources gpu=2
+snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
+  cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-} "$@" --cores all --resources gpu=4
        --scheduler greedy --rerun-incomplete)
 }
 
@@ -31,7 +33,7 @@ bench_extract() {  # the 8B shape: as in earlier sessions (64 sequences), then 3
   done
 }
 
-pipeline() {  # pipeline NAME CONFIGS...: run to the end (or the deadline), then the report if it finished
+pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), then the report if it finished
   local name=$1; shift
   local left=$((deadline - SECONDS)) cmd
   [ $left -gt 30 ] || { echo "$name: no time left in this call"; return; }
@@ -47,7 +49,7 @@ pipeline() {  # pipeline NAME CONFIGS...: run to the end (or the deadline), then
 
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
-  for run in results/smollm2-gpu results/smollm2-gpu-no-regen; do
+  for run in results/smollm2-gpu results/$second_name; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
              train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation report \
              serving/drafter/config.json; do
@@ -62,13 +64,15 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
 
 case $stage in
   compare)
-    snakemake_for $example
-    "${cmd[@]}" --unlock >/dev/null 2>&1  # a call stopped at its limit leaves the locks behind
-    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"
-    (export CUDA_VISIBLE_DEVICES=0; pipeline regen $example) &
+    for overlays in "" "${second[*]}"; do
+      snakemake_for $overlays
+      "${cmd[@]}" --unlock >/dev/null 2>&1  # a call stopped at its limit leaves the locks behind
+      "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" >> "$out/plan.txt"
+    done
+    (export CUDA_VISIBLE_DEVICES=0; pipeline regen) &
     (export CUDA_VISIBLE_DEVICES=$last_gpu
      [ "${BENCH:-0}" = 1 ] && bench_extract > "$out/bench_extract.txt"
-     [ "${CONTROL:-1}" = 1 ] && pipeline no-regen $example $control) &
+     [ "${CONTROL:-1}" = 1 ] && pipeline "$second_name" "${second[@]}") &
     wait
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;

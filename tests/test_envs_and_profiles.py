@@ -80,4 +80,4 @@ def test_slurm_profile_plans_gpu_jobs_for_the_8b_example(tmp_path):
 def test_slurm_profile_gives_hf_extraction_one_gpu_per_shard(tmp_path):
     output = slurm_dry_run(tmp_path, "gpu-smollm2.yaml")
     extract = job_resources(output, "extract")
-    assert len(extract) == 2 and all("gpu=1" in r and "slurm_partition=gpu" in r for r in extract)
+    assert len(extract) == 4 and all("gpu=1" in r and "slurm_partition=gpu" in r for r in extract)
