@@ -107,7 +107,7 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
 
 class FlakyChatServer:
     """A real HTTP server speaking the chat-completions shape: fails the first `failures` requests with 503,
-    answers 400 to any conversation that says REJECT, and echoes otherwise."""
+    answers 400 to any conversation that says REJECT, loops when asked to LOOP, and echoes otherwise."""
 
     def __init__(self, failures: int = 0, delay_s: float = 0.0):
         self.requests: list[dict] = []
@@ -131,7 +131,8 @@ class FlakyChatServer:
                     return send_json(self, 503, {"error": "warming up"})
                 if "REJECT" in last:
                     return send_json(self, 400, {"error": "prompt is too long"})
-                return send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": f"echo {last}"},
+                reply = "the cat sat on the mat and " * 8 if "LOOP" in last else f"echo {last}"
+                return send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": reply},
                                                      "finish_reason": "stop"}],
                                         "usage": {"completion_tokens": 3}})
 
@@ -188,6 +189,46 @@ def test_server_engine_times_out(tmp_path):
             engine.reply([CHATS[1]["messages"][:2]], [0])
     finally:
         server.close()
+
+
+def test_repeated_ngram_share_on_hand_made_replies():
+    share = regenerate.repeated_ngram_share
+    assert share("a b c d e f g h") == 0.0
+    assert share("a b c") == 0.0  # too short for a 4-gram
+    assert share("a b c d a b c d") == pytest.approx(1 / 5)  # 5 grams, "a b c d" seen before once
+    assert share("x y " * 50) == pytest.approx(1 - 2 / 97)
+
+
+LOOPING = CHATS[:2] + [{"id": "loop", "messages": [{"role": "user", "content": "Tell me a story."},
+                                                   {"role": "assistant", "content": "Once..."},
+                                                   {"role": "user", "content": "LOOP please"},
+                                                   {"role": "assistant", "content": "..."}]}]
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_looping_replies_are_counted_and_optionally_cut(tmp_path, caplog, drop):
+    server = FlakyChatServer()
+    try:
+        chosen = settings(engine="openai", url=server.url, backoff_s=0.01, drop_repetitive=drop)
+        engine = regenerate.OpenAIEngine(chosen, LOG)
+        kept, counts = regenerate.regenerate_conversations(
+            LOOPING, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+    finally:
+        server.close()
+    loop = next(c for c in kept if c["id"] == "loop")["messages"]
+    if drop:  # cut before the looping reply: the first exchange stays
+        assert counts["cut_at_repetitive_reply"] == 1 and counts["replies_repetitive"] == 0
+        assert [m["content"] for m in loop] == ["Tell me a story.", "echo Tell me a story."]
+    else:
+        assert counts["replies_repetitive"] == 1 and counts["cut_at_repetitive_reply"] == 0
+        assert loop[-1]["content"].startswith("the cat sat on the mat")
+    assert counts["replies"] == 4 + (not drop)
+    caplog.set_level(logging.WARNING)
+    regenerate.warn_if_repetitive(counts, chosen, LOG)
+    assert "word 4-grams" not in caplog.text  # 1 of 5 replies: not over the warning's 20 %
+    counts["replies_repetitive"] += 1
+    regenerate.warn_if_repetitive(counts, chosen, LOG)
+    assert "repeat over 30 % of their word 4-grams" in caplog.text
 
 
 def free_port() -> int:
