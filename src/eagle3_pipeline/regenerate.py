@@ -256,6 +256,11 @@ class _InProgress:
         self.done = True
         return None
 
+    def end_before_last_turn(self) -> None:
+        """Stop here, without the user turn just asked (it and everything after it are left out)."""
+        self.messages.pop()
+        self.done = True
+
 
 def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine, settings: Settings,
                              count_tokens: Any, progress_path: Path, fingerprint: str, log: logging.Logger,
@@ -313,8 +318,7 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, coun
             continue
         if context + settings.max_new_tokens > settings.max_context_tokens:
             counts["cut_at_context_limit"] += 1
-            state.messages.pop()  # the user turn that would not fit, and everything after it
-            state.done = True
+            state.end_before_last_turn()  # the user turn would not fit
             continue
         asking.append(state)
         histories.append(list(history))
@@ -330,14 +334,12 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, coun
         generated += reply.tokens
         if not reply.text:
             counts["empty_reply"] += 1
-            state.messages.pop()
-            state.done = True
+            state.end_before_last_turn()
             continue
         repetitive = repeated_ngram_share(reply.text) > settings.repetition_threshold
         if repetitive and settings.drop_repetitive:
             counts["cut_at_repetitive_reply"] += 1
-            state.messages.pop()
-            state.done = True
+            state.end_before_last_turn()
             continue
         counts["replies"] += 1
         counts["replies_repetitive"] += repetitive
