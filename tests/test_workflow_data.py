@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import conversations, token_shards, vocab
+from eagle3_pipeline import conversations, journal, token_shards, vocab
 
 from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
 
@@ -145,12 +145,7 @@ def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, ta
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    finished_before = []
-    for line in progress.read_text().splitlines()[1:]:
-        try:
-            finished_before.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line the kill cut short
+    finished_before = journal.read_intact(progress)[0][1:]  # after the fingerprint line
     assert 2 <= len(finished_before) < 8, "the kill did not land while the shard was being regenerated"
     run_snakemake(tmp_path, config, "--unlock")
     run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from eagle3_pipeline import journal
+
 from .conftest import base_config, run_snakemake, snakemake_command
 from .test_workflow_data import tiny_dataset
 
@@ -74,14 +76,8 @@ def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, targ
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    before = {}
-    for part in progress.glob("*.jsonl"):
-        for line in part.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break  # the line the kill cut short
-            before[record["prompt_id"]] = record["traces"]
+    before = {record["prompt_id"]: record["traces"]
+              for part in progress.glob("*.jsonl") for record in journal.read_intact(part)[0]}
     assert 2 <= len(before) < 5 and not output.exists(), "the kill did not land during the evaluation"
     run_snakemake(tmp_path, config, "--unlock")
     run_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))

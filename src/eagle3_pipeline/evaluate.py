@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import journal
 from .logs import Progress
 from .model import Drafter
 
@@ -382,11 +383,7 @@ class PromptProgress:
         digests = {p.prompt_id: prompt_digest(p) for p in prompts}
         done: dict[str, dict[str, Trace]] = {}
         for part in sorted(self.directory.glob("*.jsonl")):
-            for line in part.read_text(encoding="utf-8").split("\n"):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # the line a kill cut short; nothing follows it in this file
+            for record in journal.read_intact(part)[0]:
                 if digests.get(record["prompt_id"]) == record["digest"]:
                     done[record["prompt_id"]] = {m: Trace(**t) for m, t in record["traces"].items()}
         return done
@@ -401,9 +398,7 @@ class PromptProgress:
             record = {"prompt_id": prompt_id, "digest": digests[prompt_id],
                       "traces": {m: asdict(t) for m, t in traces.items()}}
             with open(path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+                journal.append(handle, [record])
         return append
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import conversations as conversation_io
+from . import journal
 from .logs import Progress
 from .tokenization import TemplateError, render
 
@@ -279,7 +280,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
     active: list[_InProgress] = []
     with open(progress_path, "a", encoding="utf-8") as sink:
         if progress_path.stat().st_size == 0:
-            _append(sink, {"fingerprint": fingerprint})
+            journal.append(sink, [{"fingerprint": fingerprint}])
         while waiting or active:
             if rolling or not active:
                 while waiting and len(active) < pool_size:
@@ -288,11 +289,9 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
             tokens = _advance(active, engine, settings, count_tokens, counts, log)
             done = [state for state in active if state.done]
             for state in done:
-                finished[state.index] = record = _finished_record(state)
-                _append(sink, {"index": state.index, **record})
+                finished[state.index] = _finished_record(state)
             if done:
-                sink.flush()
-                os.fsync(sink.fileno())
+                journal.append(sink, ({"index": state.index, **finished[state.index]} for state in done))
             active = [state for state in active if not state.done]
             progress.update(len(done), tokens)
     progress.finish()
@@ -375,35 +374,19 @@ def _finished_record(state: _InProgress) -> dict[str, Any]:
     return {"conversation": {**state.source, "messages": state.messages}}
 
 
-def _append(sink: Any, record: dict[str, Any]) -> None:
-    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
 def _load_progress(path: Path, fingerprint: str, log: logging.Logger) -> dict[int, dict[str, Any]]:
     """Finished conversations from an earlier, killed run of the same job; a torn last line is ignored."""
     if not path.exists():
         return {}
-    finished: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    try:
-        header = json.loads(lines[0])
-    except (json.JSONDecodeError, IndexError):
-        header = {}
+    lines, intact_bytes = journal.read_intact(path)
+    header = lines[0] if lines and isinstance(lines[0], dict) else {}
     if header.get("fingerprint") != fingerprint:
         log.warning("%s: written for other input or settings; starting over", path)
         path.unlink()
         return {}
-    good_bytes = len(lines[0]) + 1
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break  # the line a kill interrupted: everything after it is unfinished work
-        finished[record.pop("index")] = record
-        good_bytes += len(line.encode()) + 1
+    finished = {record.pop("index"): record for record in lines[1:]}
     with open(path, "r+b") as handle:  # drop the torn tail so appends start on a clean line
-        handle.truncate(min(good_bytes, path.stat().st_size))
+        handle.truncate(intact_bytes)
     log.info("%s: resuming with %d finished conversations", path, len(finished))
     return finished
 

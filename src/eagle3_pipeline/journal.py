@@ -1,0 +1,37 @@
+"""Append-only JSONL journals: how long jobs keep finished work across a kill (regeneration, evaluation).
+
+One JSON value per line; lines are written whole and synced to disk before the work counts as kept. A kill
+can leave the last line torn - cut short, or written without its newline - and readers stop there:
+everything from that line on is unfinished work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def append(handle: TextIO, records: Iterable[Any]) -> None:
+    """Write `records` to the journal open in `handle` (append mode), one per line, and sync them to disk."""
+    for record in records:
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def read_intact(path: Path) -> tuple[list[Any], int]:
+    """The values of the lines before the first torn one, and the bytes those lines take (where to
+    truncate before appending again)."""
+    data = Path(path).read_bytes()
+    values: list[Any] = []
+    end = 0
+    while (newline := data.find(b"\n", end)) >= 0:
+        try:
+            values.append(json.loads(data[end:newline]))
+        except json.JSONDecodeError:
+            break
+        end = newline + 1
+    return values, end
