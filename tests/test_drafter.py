@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from eagle3_pipeline import export, hidden_store
 from eagle3_pipeline.model import Drafter, DrafterConfig
-from eagle3_pipeline.train import TrainSettings, read_metrics, step_metrics, train
+from eagle3_pipeline.train import Teacher, TrainSettings, read_metrics, shift_left, step_metrics, train, ttt_forward
 
 from .tiny_models import tiny_target_with_store
 
@@ -35,7 +35,7 @@ def test_ttt_attention_matches_an_explicitly_masked_reference():
     with torch.no_grad():
         h = hidden
         for _ in range(steps):
-            _, h = model.step(ids, h, positions, None, cache)
+            _, h = model.step(ids, h, positions, cache)
             outputs.append(h)
         # Reference: recompute the last step's attention with one explicit mask over all steps' keys.
         attn = model.midlayer.self_attn
@@ -62,6 +62,51 @@ def test_ttt_attention_matches_an_explicitly_masked_reference():
         expected = residual + reference
         expected = expected + model.midlayer.mlp(model.midlayer.post_attention_layernorm(expected))
     torch.testing.assert_close(outputs[-1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_ttt_steps_equal_a_served_chain_with_engine_positions():
+    """TTT step k at position t must compute what a server computes for draft k+1: real rows 0..t (token x[p+1],
+    target feature f[p], rotary position p), then one chain row per draft, each one position further on
+    (vLLM EagleProposer.propose: `positions += 1` per step). The chain is fed the data tokens, as TTT is."""
+    torch.manual_seed(0)
+    model = Drafter(tiny_config()).eval()
+    length, steps, t = 12, 4, 6
+    ids = torch.randint(0, 100, (1, length))
+    aux = torch.randn(1, length, 96)
+    batch = {"input_ids": ids, "aux": aux, "last": torch.randn(1, length, 32),
+             "loss_mask": torch.ones(1, length, dtype=torch.bool), "valid": torch.ones(1, length, dtype=torch.bool)}
+    teacher = Teacher(torch.randn(100, 32), torch.arange(40))
+    trained_logits = []
+
+    def recording_loss(logits, probs, counts):
+        trained_logits.append(logits[0, t])
+        return step_metrics(logits, probs, counts)
+
+    with torch.no_grad():
+        ttt_forward(model, batch, teacher, steps, 0.8, recording_loss)
+        logits, hidden, kv = model.decode(ids[:, 1:t + 2], aux[:, :t + 1], torch.arange(t + 1)[None])
+        served = [logits[0, -1]]
+        hidden, position = hidden[:, -1:], t
+        fixed_position = served.copy()
+        fixed_hidden, fixed_kv = hidden, kv
+        for k in range(1, steps):
+            position += 1
+            token = ids[:, t + 1 + k: t + 2 + k]
+            logits, hidden, kv = model.decode(token, hidden, torch.tensor([[position]]), kv)
+            served.append(logits[0, -1])
+            logits, fixed_hidden, fixed_kv = model.decode(token, fixed_hidden, torch.tensor([[t]]), fixed_kv)
+            fixed_position.append(logits[0, -1])
+    for k in range(steps):
+        torch.testing.assert_close(trained_logits[k], served[k], atol=1e-5, rtol=1e-5)
+        assert trained_logits[k].argmax() == served[k].argmax()
+    # the check can fail: a chain that keeps the last real position (the old rule) computes other logits
+    assert not torch.allclose(trained_logits[steps - 1], fixed_position[steps - 1], atol=1e-3)
+
+
+def test_shift_left_pads_with_the_fill_value():
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift_left(x, 2, 9).tolist() == [[3, 4, 9, 9]]
+    assert shift_left(x, 0) is x
 
 
 def test_step_metrics_on_a_hand_made_case():
@@ -192,7 +237,7 @@ def test_flex_ttt_attention_equals_the_explicit_one():
         model.use_flex_attention(flex)
         cache, h, logits = [], hidden, []
         for _ in range(4):
-            out, h = model.step(ids, h, positions, valid, cache)
+            out, h = model.step(ids, h, positions, cache)
             logits.append(out[valid])
         return logits
 

@@ -127,22 +127,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.implementation = "eager"  # or "flex" (GPU): see Drafter.use_flex_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-        """x [B,T,2H]. With `cache` (TTT), step k attends to step 0 causally and to its own position at steps 1..k."""
+        """x [B,T,2H]. With `cache` (TTT), step k attends to step 0 causally and to its own position at steps 1..k.
+
+        Rows are right-padded: a real query sees only earlier positions, so padding needs no mask."""
         batch, length, _ = x.shape
         q, k, v = self._project(x, cos, sin)
         if cache is not None:
             cache.append((k, v))  # un-repeated keys/values of this step
         if self.implementation == "flex" and cache is not None:
-            out = ttt_flex_attention(q, cache, key_padding)
+            out = ttt_flex_attention(q, cache)
         elif cache is None or len(cache) == 1:
-            mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-            if key_padding is not None:
-                mask = mask[None, None] & key_padding[:, None, None, :]
-            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
         else:
-            out = self._ttt_attention(q, key_padding, cache)
+            out = self._ttt_attention(q, cache)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -170,15 +169,13 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
-    def _ttt_attention(self, q, key_padding, cache):
+    def _ttt_attention(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Reference TTT attention (CPU, and the check for the flex kernel): explicit scores."""
         scale = 1.0 / math.sqrt(self.head_dim)
         k0, v0 = self._repeat(cache[0][0]), self._repeat(cache[0][1])
         length = q.shape[2]
         prefix = (q @ k0.transpose(-1, -2)) * scale  # [B,h,T,T] against the real-feature step
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        if key_padding is not None:
-            causal = causal[None, None] & key_padding[:, None, None, :]
         prefix = prefix.masked_fill(~causal, float("-inf"))
         later_k = torch.stack([self._repeat(ck) for ck, _ in cache[1:]], dim=-2)  # [B,h,T,S,d], one key per step
         later_v = torch.stack([self._repeat(cv) for _, cv in cache[1:]], dim=-2)
@@ -200,31 +197,33 @@ def flex_attention_problem(device: torch.device) -> str | None:
         q = torch.randn(1, 2, 128, 16, device=device, requires_grad=True)
         steps = [(torch.randn(1, 1, 128, 16, device=device), torch.randn(1, 1, 128, 16, device=device))
                  for _ in range(2)]
-        ttt_flex_attention(q, steps, None).sum().backward()
+        ttt_flex_attention(q, steps).sum().backward()
         return None
     except Exception as exc:  # missing Triton, unsupported device, compiler errors: all mean "use eager"
         return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def ttt_flex_attention(q: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor]],
-                       key_padding: torch.Tensor | None) -> torch.Tensor:
-    """The same attention as `Attention._ttt_attention` as one fused kernel (GPU): the keys of every step side
-    by side, [step 0 | step 1 | ... | step k], each T long; the block mask keeps step 0 causal and steps >= 1
-    diagonal, so the extra steps cost a few diagonal tiles instead of a materialised [T, T] score matrix."""
+@lru_cache(maxsize=256)
+def ttt_block_mask(length: int, steps: int, device: torch.device):
+    """Keys of every step side by side, [step 0 | step 1 | ... | step k], each `length` long: step 0 causal,
+    steps >= 1 only the query's own position. It depends on (length, steps) alone (right padding needs no mask),
+    so it is built once per padded batch width and reused by every batch of that width."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    batch, heads, length, _ = q.shape
-    keys = torch.cat([k for k, _ in steps], dim=2)
-    values = torch.cat([v for _, v in steps], dim=2)
-    padding = key_padding if key_padding is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                       device=q.device)
 
     def visible(b, h, q_index, kv_index):
         position = kv_index % length
-        return torch.where(kv_index < length, position <= q_index, position == q_index) & padding[b, position]
+        return torch.where(kv_index < length, position <= q_index, position == q_index)
 
-    mask = create_block_mask(visible, batch, None, length, keys.shape[2], device=q.device)
-    return _compiled_flex_attention()(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != heads)
+    return create_block_mask(visible, None, None, length, steps * length, device=device)
+
+
+def ttt_flex_attention(q: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The same attention as `Attention._ttt_attention` as one fused kernel (GPU): the extra steps cost a few
+    diagonal tiles instead of a materialised [T, T] score matrix."""
+    keys = torch.cat([k for k, _ in steps], dim=2)
+    values = torch.cat([v for _, v in steps], dim=2)
+    mask = ttt_block_mask(q.shape[2], len(steps), q.device)
+    return _compiled_flex_attention()(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
@@ -247,9 +246,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, key_padding, cache):
+    def forward(self, embeds, hidden, cos, sin, cache):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, cos, sin, key_padding, cache)
+        hidden = hidden + self.self_attn(x, cos, sin, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -273,7 +272,7 @@ class Drafter(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             key_padding: torch.Tensor | None = None, cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft position for every token: returns (draft-vocab logits [B,T,K], pre-norm hidden [B,T,H]).
 
         `hidden` is either the target's aux features (width 3H, projected by fc) or a previous step's output.
@@ -282,7 +281,7 @@ class Drafter(nn.Module):
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        hidden = self.midlayer(embeds, hidden, cos, sin, key_padding, cache)
+        hidden = self.midlayer(embeds, hidden, cos, sin, cache)
         return self.lm_head(self.norm(hidden)), hidden
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

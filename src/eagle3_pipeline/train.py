@@ -29,6 +29,7 @@ from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
+GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -50,6 +51,8 @@ class TrainSettings:
     num_workers: int = 2
     device: str = "auto"
     attention: str = "auto"  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
+    compile: str = "auto"  # torch.compile the loss and teacher: "on", "off"; auto = on GPU
+    pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
 
 
 # ---------------------------------------------------------------- data
@@ -68,17 +71,33 @@ class BatchSchedule(torch.utils.data.Dataset):
             self.batches += self._epoch(epoch)
 
     def _epoch(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """Shuffle, then sort by length inside windows of about GROUP_BATCHES batches before packing: batches
+        hold sequences of similar length (little padding) while every epoch still mixes the whole data set."""
         items = [(s, j) for s, lengths in enumerate(self.lengths) for j in range(len(lengths))]
-        order = np.random.default_rng([self.settings.seed, epoch]).permutation(len(items))
-        batches, current, longest = [], [], 0
-        for index in order:
-            store, j = items[index]
-            length = int(self.lengths[store][j])
-            if current and (len(current) + 1) * max(longest, length) > self.settings.batch_tokens:
+        rng = np.random.default_rng([self.settings.seed, epoch])
+        order = rng.permutation(len(items))
+        mean_length = max(1.0, float(np.mean([self.padded(s, j) for s, j in items]))) if items else 1.0
+        window = max(1, int(GROUP_BATCHES * self.settings.batch_tokens / mean_length))
+        batches: list[list[tuple[int, int]]] = []
+        for start in range(0, len(order), window):
+            group = sorted((items[i] for i in order[start:start + window]), key=lambda item: -self.padded(*item))
+            batches += self._pack(group)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def padded(self, store: int, j: int) -> int:
+        multiple = self.settings.pad_multiple
+        return -(-int(self.lengths[store][j]) // multiple) * multiple
+
+    def _pack(self, group: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """Greedy: a batch closes when one more row would exceed batch_tokens at the widest row's width."""
+        batches, current, widest = [], [], 0
+        for store, j in group:
+            width = self.padded(store, j)
+            if current and (len(current) + 1) * max(widest, width) > self.settings.batch_tokens:
                 batches.append(current)
-                current, longest = [], 0
+                current, widest = [], 0
             current.append((store, j))
-            longest = max(longest, length)
+            widest = max(widest, width)
         return batches + ([current] if current else [])
 
     def __len__(self) -> int:
@@ -88,12 +107,15 @@ class BatchSchedule(torch.utils.data.Dataset):
         if self.stores is None:
             self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
         sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
-        return collate(sequences, self.settings.max_seq_len)
+        return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
 
 
-def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int) -> dict[str, torch.Tensor]:
+def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_multiple: int = 1
+            ) -> dict[str, torch.Tensor]:
+    """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
+    cached attention masks are reused across batches."""
     lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
-    width, batch = max(lengths), len(sequences)
+    width, batch = -(-max(lengths) // pad_multiple) * pad_multiple, len(sequences)
     hidden = sequences[0]["last_hidden_states"].shape[-1]
     out = {
         "input_ids": torch.zeros(batch, width, dtype=torch.long),
@@ -139,24 +161,29 @@ def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int,
-                decay: float) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts)."""
+                decay: float, loss_fn=None) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts).
+
+    Step k at sequence position t is rotated at position t + k: a serving engine advances the rotary position
+    by one per draft step (vLLM `EagleProposer.propose`, SGLang `draft_forward`), so training must too.
+    Step k's prediction at t is compared with the teacher at t+1+k through slices (views, no copies of the
+    [B, T, K] teacher); positions without a teacher (the last 2+k) simply fall outside the slice."""
+    loss_fn = loss_fn or step_metrics
     device = batch["input_ids"].device
     batch_size, length = batch["input_ids"].shape
     positions = torch.arange(length, device=device).expand(batch_size, length)
     probs, argmax_in_draft = teacher(batch["last"])
+    predictable = batch["loss_mask"] & batch["valid"]  # an assistant token inside the sequence
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache: list = []
     total = torch.zeros((), device=device)
     metrics = []
     for k in range(steps):
-        input_ids = shift_left(batch["input_ids"], 1 + k)
-        target_probs = shift_left(probs, 1 + k)
+        span = max(length - 2 - k, 0)  # positions t whose target token x[t+2+k] exists
+        logits, hidden = model.step(shift_left(batch["input_ids"], 1 + k), hidden, positions + k, cache)
         # predicted token x[t+2+k] must be an assistant token; its teacher argmax must be drafter-reachable
-        counts = shift_left(batch["loss_mask"], 2 + k, False) & shift_left(argmax_in_draft, 1 + k, False)
-        counts &= shift_left(batch["valid"], 2 + k, False)
-        logits, hidden = model.step(input_ids, hidden, positions, batch["valid"], cache)
-        step = step_metrics(logits, target_probs, counts)
+        counts = predictable[:, 2 + k:] & argmax_in_draft[:, 1 + k: 1 + k + span]
+        step = loss_fn(logits[:, :span], probs[:, 1 + k: 1 + k + span], counts)
         total = total + (decay ** k) * step.pop("mean_loss")
         metrics.append(step)
     return total, metrics
@@ -164,14 +191,15 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
 
 def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
     """Soft cross-entropy (mean, differentiable) plus sums over counted positions: loss, correct top-1,
-    expected acceptance sum(min(p_draft, q_teacher)), count. Sums stay tensors: reading them would stall the GPU."""
+    expected acceptance sum(min(p_draft, q_teacher)), count. Masked sums, not boolean indexing: indexing by a
+    mask waits for the GPU to know the count; sums stay tensors for the same reason."""
     log_q = torch.log_softmax(logits.float(), dim=-1)
     n = counts.sum()
-    per_position = -(target_probs * log_q).sum(-1)[counts]
+    per_position = torch.where(counts, -(target_probs * log_q).sum(-1), 0.0)
     mean_loss = per_position.sum() / n.clamp(min=1)
     with torch.no_grad():
         correct = ((logits.argmax(-1) == target_probs.argmax(-1)) & counts).sum()
-        accept = torch.minimum(log_q.exp(), target_probs).sum(-1)[counts].sum()
+        accept = torch.where(counts, torch.minimum(log_q.exp(), target_probs).sum(-1), 0.0).sum()
     return {"mean_loss": mean_loss, "loss": per_position.detach().sum(), "correct": correct, "accept": accept,
             "count": n}
 
@@ -179,12 +207,32 @@ def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch
 class TTTObjective(torch.nn.Module):
     """The drafter plus its training objective, as one module so DDP's gradient hooks see the whole step."""
 
-    def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float):
+    def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float, loss_fn=None):
         super().__init__()
         self.drafter, self.teacher, self.steps, self.decay = drafter, teacher, steps, decay
+        self.loss_fn = loss_fn or step_metrics
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, float]]]:
-        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay)
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay, self.loss_fn)
+
+
+def compiled_loss(settings: TrainSettings, device: torch.device, log: logging.Logger):
+    """`step_metrics` through torch.compile where asked (auto: on GPU): the soft cross-entropy, top-1 and
+    acceptance sums then read the [N, K] logits and teacher once, fused, instead of in a dozen passes.
+    Falls back to eager, saying why, when compilation fails here."""
+    if settings.compile == "off" or (settings.compile == "auto" and device.type != "cuda"):
+        return step_metrics
+    compiled = torch.compile(step_metrics, dynamic=True)
+    try:
+        logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
+        probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
+        compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
+    except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
+        log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
+                    type(exc).__name__, str(exc)[:300])
+        return step_metrics
+    log.info("loss compiled with torch.compile")
+    return compiled
 
 
 # ---------------------------------------------------------------- set-up helpers
@@ -310,7 +358,8 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
         truncate_metrics(metrics_path, start)
-    objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay)
+    objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay,
+                             compiled_loss(settings, device, log))
     if distributed:
         objective = torch.nn.parallel.DistributedDataParallel(objective)
     loader = torch.utils.data.DataLoader(
