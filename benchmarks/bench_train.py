@@ -1,22 +1,38 @@
-"""Drafter training throughput and MFU, in one run: the SmolLM2 drafter and an 8B-shaped drafter
-(hidden 4096, 32k draft vocab, 128k target vocab) on random activations.
+"""Drafter training throughput and MFU against the training path of an earlier commit, in one run.
 
-    python benchmarks/bench_train.py [--peak-tflops 989]
+    python benchmarks/bench_train.py [--baseline-commit 82e602d | --baseline-src DIR] [--peak-tflops 989]
 
-MFU = model FLOPs (forward + backward of every TTT step, plus the teacher head) / time / peak.
-Each shape runs with the explicit-scores TTT attention ("eager", the baseline) and the fused flex kernel,
-in the same run, after checking that both give the same loss and gradients; also the one-TTT-step rate.
+The baseline is the package as it was at `--baseline-commit` (extracted with `git archive` into a temporary
+directory and imported under another name), or a copy of it in `--baseline-src` (a machine without the git
+history). Both paths train the same drafter shapes on the same random activations:
+
+- full rows: every batch 8 (or 4) x 2048 real tokens - the kernels alone;
+- ShareGPT-like lengths: the same sequence lengths (log-normal, median 600, capped at 2048) batched by each
+  path's own batch schedule and padding rule - what a real epoch sees. Rates count real (unpadded) tokens.
+
+Before timing, both paths' losses on one batch are compared (same weights; the paths differ only in rotary
+positions of TTT steps >= 1, so only step 0's loss must agree). MFU = model FLOPs (forward + backward of every
+TTT step, plus the teacher head) / time / peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
+import numpy as np
 import torch
 
-from eagle3_pipeline.model import Drafter, DrafterConfig, count_flops_per_token
-from eagle3_pipeline.train import Teacher, TTTObjective
+from eagle3_pipeline import train as current
+from eagle3_pipeline.model import DrafterConfig, count_flops_per_token
+
+BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 
 
 def shapes() -> dict[str, DrafterConfig]:
@@ -32,88 +48,145 @@ def shapes() -> dict[str, DrafterConfig]:
     }
 
 
-def random_batch(config: DrafterConfig, batch: int, length: int, device: str) -> dict[str, torch.Tensor]:
-    valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-    valid[-1, length * 3 // 4:] = False  # one padded row, like real batches
+def load_baseline(commit: str | None, source: Path | None) -> ModuleType:
+    """The baseline package imported as BASELINE_PACKAGE (its modules import each other relatively)."""
+    if source is None:
+        scratch = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
+        archive = subprocess.run(["git", "archive", commit, "src/eagle3_pipeline"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
+        source = scratch / "src" / "eagle3_pipeline"
+    spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE, source / "__init__.py",
+                                                  submodule_search_locations=[str(source)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[BASELINE_PACKAGE] = package
+    spec.loader.exec_module(package)
+    for name in ("model", "train"):
+        __import__(f"{BASELINE_PACKAGE}.{name}")
+    return package
+
+
+def sharegpt_like_lengths(count: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=np.log(600), sigma=0.9, size=count), 32, 2048).astype(np.int64)
+
+
+def schedule_rows(schedule_class: type, lengths: np.ndarray, settings) -> list[list[int]]:
+    """Row lengths of every batch of one epoch, as the given BatchSchedule packs them (no stores needed)."""
+    schedule = object.__new__(schedule_class)
+    schedule.settings, schedule.lengths = settings, [lengths]
+    return [[int(lengths[j]) for _, j in batch] for batch in schedule._epoch(0)]
+
+
+def random_batch(config: DrafterConfig, rows: list[int], width: int, device: str) -> dict[str, torch.Tensor]:
+    valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+    for row, length in enumerate(rows):
+        valid[row, :length] = True
     return {
-        "input_ids": torch.randint(0, config.vocab_size, (batch, length), device=device),
+        "input_ids": torch.randint(0, config.vocab_size, (len(rows), width), device=device),
         "loss_mask": valid.clone(),
         "valid": valid,
-        "aux": torch.randn(batch, length, 3 * config.target_hidden_size, device=device, dtype=torch.bfloat16),
-        "last": torch.randn(batch, length, config.hidden_size, device=device, dtype=torch.bfloat16),
+        "aux": torch.randn(len(rows), width, 3 * config.target_hidden_size, device=device, dtype=torch.bfloat16),
+        "last": torch.randn(len(rows), width, config.hidden_size, device=device, dtype=torch.bfloat16),
     }
 
 
-def check_flex_matches_eager(config: DrafterConfig, ttt_steps: int, device: str) -> tuple[float, float]:
-    """(relative loss difference, worst relative gradient difference) of flex vs eager on one batch."""
-    results = []
-    data = random_batch(config, 2, 512, device)
-    for flex in (False, True):
+class TrainingPath:
+    """One training path: its drafter, objective and batch geometry."""
+
+    def __init__(self, name: str, package: ModuleType, model_module: ModuleType, config: DrafterConfig,
+                 settings, device: str):
         torch.manual_seed(0)
-        model = Drafter(config).to(device)
-        model.use_flex_attention(flex)
+        self.name, self.package, self.settings = name, package, settings
+        self.model = model_module.Drafter(model_module.DrafterConfig(**config.as_dict())).to(device)
+        self.model.use_flex_attention(True)
         lm_head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-        teacher = Teacher(lm_head, torch.arange(config.draft_vocab_size, device=device) * 2)
+        teacher = package.Teacher(lm_head, torch.arange(config.draft_vocab_size, device=device) * 2)
+        if package is current:
+            loss = current.compiled_loss(settings, torch.device(device), _PrintLog())
+            self.objective = current.TTTObjective(self.model, teacher, settings.ttt_steps, 0.8, loss)
+        else:
+            self.objective = package.TTTObjective(self.model, teacher, settings.ttt_steps, 0.8)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
+                                           fused=True)
+
+    def width(self, rows: list[int]) -> int:
+        multiple = getattr(self.settings, "pad_multiple", 1)
+        return -(-max(rows) // multiple) * multiple
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = TTTObjective(model, teacher, ttt_steps, 0.8)(data)
+            loss, metrics = self.objective(batch)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
-    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
-    worst = max(float((flex_grads[n] - g).norm() / g.norm().clamp(min=1e-12)) for n, g in eager_grads.items())
-    return abs(flex_loss - eager_loss) / abs(eager_loss), worst
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.5)
+        self.optimizer.step()
+        return metrics[0]["loss"] / metrics[0]["count"].clamp(min=1)
 
 
-def measure(config: DrafterConfig, ttt_steps: int, batch: int, length: int, device: str, steps: int,
-            flex: bool) -> float:
-    torch.manual_seed(0)
-    model = Drafter(config).to(device)
-    model.use_flex_attention(flex)
-    lm_head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-    teacher = Teacher(lm_head, torch.arange(config.draft_vocab_size, device=device) * 2)
-    objective = TTTObjective(model, teacher, ttt_steps, 0.8)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    data = random_batch(config, batch, length, device)
+class _PrintLog:
+    def info(self, message, *args):
+        print("  " + message % args, flush=True)
 
-    def one_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = objective(data)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-    for _ in range(3):
-        one_step()
+    warning = info
+
+
+def rate(path: TrainingPath, batches: list[dict[str, torch.Tensor]], repeats: int) -> float:
+    for batch in batches[:3]:  # warm-up: compilation, autotuning, mask caches
+        path.step(batch)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(steps):
-        one_step()
+    for _ in range(repeats):
+        for batch in batches:
+            path.step(batch)
     torch.cuda.synchronize()
-    return batch * length * steps / (time.perf_counter() - start)
+    real_tokens = sum(int(b["valid"].sum()) for b in batches) * repeats
+    return real_tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline-commit", default="82e602d", help="the training path to compare against")
+    parser.add_argument("--baseline-src", type=Path, help="that commit's src/eagle3_pipeline, copied")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16 peak")
     parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sequences", type=int, default=400, help="ShareGPT-like sequences per measurement")
+    parser.add_argument("--only", choices=["small", "big"], help="one drafter shape only")
     args = parser.parse_args()
+    baseline = load_baseline(args.baseline_commit, args.baseline_src)
+    device = "cuda"
     for name, config in shapes().items():
-        length = 2048
-        batch = 8 if config.hidden_size < 1024 else 4
-        per_token = args.ttt_steps * 3 * count_flops_per_token(config, length // 2) \
-            + 2 * config.vocab_size * config.hidden_size
-        loss_diff, grad_diff = check_flex_matches_eager(config, args.ttt_steps, "cuda")
-        print(f"{name}: flex vs eager on one batch: loss differs by {loss_diff:.2e} (relative), "
-              f"worst parameter gradient by {grad_diff:.2e}", flush=True)
-        rates = {}
-        for kernel in ("eager", "flex"):
-            rates[kernel] = rate = measure(config, args.ttt_steps, batch, length, "cuda", args.steps, kernel == "flex")
-            tflops = rate * per_token / 1e12
-            print(f"{name} [{kernel}]: {rate:,.0f} tokens/s, {tflops:.0f} TFLOP/s, "
-                  f"MFU {100 * tflops / args.peak_tflops:.1f}% of {args.peak_tflops:.0f}", flush=True)
-        one = measure(config, 1, batch, length, "cuda", args.steps, True)
-        print(f"{name}: flex / eager = {rates['flex'] / rates['eager']:.2f}x; one-TTT-step rate {one:,.0f} tokens/s "
-              f"(7 steps cost {one / rates['flex']:.2f}x)", flush=True)
+        if args.only and (args.only == "big") != (config.hidden_size >= 1024):
+            continue
+        batch_tokens = 16384 if config.hidden_size < 1024 else 8192
+        per_token = (args.ttt_steps * 3 * count_flops_per_token(config, 1024)
+                     + 2 * config.vocab_size * config.hidden_size)
+        lengths = sharegpt_like_lengths(args.sequences if config.hidden_size < 1024 else args.sequences // 4)
+        paths = [
+            TrainingPath("baseline", baseline.train, baseline.model, config,
+                  baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
+            TrainingPath("ours", current, sys.modules["eagle3_pipeline.model"], config,
+                  current.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
+        ]
+        full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)
+        step0 = [float(p.step(full)) for p in paths]
+        print(f"{name}: TTT step-0 loss on one batch, baseline {step0[0]:.5f} vs ours {step0[1]:.5f}", flush=True)
+        results = {}
+        for path in paths:
+            batches_rows = schedule_rows(path.package.BatchSchedule, lengths, path.settings)
+            real = [random_batch(config, rows, path.width(rows), device) for rows in batches_rows]
+            padded = sum(b["valid"].numel() for b in real)
+            results[path.name] = (rate(path, [full] * 4, 2), rate(path, real, 1),
+                                  sum(int(b["valid"].sum()) for b in real) / padded)
+            kernel, epoch, fill = results[path.name]
+            mfu = [100 * r * per_token / 1e12 / args.peak_tflops for r in (kernel, epoch)]
+            print(f"{name} [{path.name}]: full rows {kernel:,.0f} tok/s (MFU {mfu[0]:.1f}%), ShareGPT-like batches "
+                  f"{epoch:,.0f} real tok/s ({100 * fill:.0f}% of batch slots real, MFU {mfu[1]:.1f}%)", flush=True)
+        (base_kernel, base_epoch, _), (our_kernel, our_epoch, _) = results["baseline"], results["ours"]
+        print(f"{name}: ours / baseline = {our_kernel / base_kernel:.2f}x on full rows, "
+              f"{our_epoch / base_epoch:.2f}x on ShareGPT-like batches", flush=True)
+        del paths, full, real
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

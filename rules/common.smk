@@ -1,6 +1,7 @@
 # Paths, shard lists, parse-time checks and the disk plan shared by every stage.
 from functools import cache
 
+from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import workflow_config
 
@@ -9,6 +10,7 @@ SETTINGS = workflow_config.check(config)
 RESULTS = f"{config['results_dir']}/{config['run']}"
 LOGS = f"logs/{config['run']}"
 SHARDS = [f"{i:05d}" for i in range(config["data"]["num_shards"])]
+HELDOUT = "heldout"  # the held-out conversations as one more token shard and hidden store (offline estimate)
 
 TARGET_DIR = f"{RESULTS}/target"
 CONVERSATION_SHARD = f"{RESULTS}/conversations/shard-{{shard}}.jsonl"
@@ -33,8 +35,18 @@ EVAL_RESULTS = f"{RESULTS}/evaluation/{{prompt_set}}.json"
 PLOTS = f"{RESULTS}/report"
 
 
+def tokenize_input(wildcards):
+    if wildcards.shard == HELDOUT:
+        return EVAL_CONVERSATIONS
+    return TRAINING_CONVERSATIONS.format(shard=wildcards.shard)
+
+
+def heldout_stores(wildcards):
+    return [HIDDEN_STORE.format(shard=HELDOUT)] if config["train"]["heldout_estimate"] else []
+
+
 def prompt_set_name(entry):
-    return entry if entry in ("held-out", "mtbench-package") else Path(entry).stem
+    return entry if entry == "held-out" or assets.is_alias(entry) else Path(entry).stem
 
 
 def prompt_file(wildcards):
@@ -48,7 +60,7 @@ PROMPT_SETS = [prompt_set_name(entry) for entry in config["evaluate"]["prompts"]
 
 
 wildcard_constraints:
-    shard=r"\d{5}",
+    shard=rf"\d{{5}}|{HELDOUT}",
 
 
 @cache
@@ -67,7 +79,9 @@ def current_plan():
 
 def hidden_store_mb(wildcards):
     hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
-    return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000) if hidden else 1
+    if not hidden or wildcards.shard == HELDOUT:  # the held-out store is small and not planned per shard
+        return 1
+    return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000)
 
 
 def is_dry_run():

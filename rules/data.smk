@@ -20,7 +20,7 @@ rule ingest:
 
 rule tokenize:
     input:
-        conversations=TRAINING_CONVERSATIONS,
+        conversations=tokenize_input,
         target=TARGET_DIR,
     output:
         directory(TOKEN_SHARD),

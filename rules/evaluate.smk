@@ -31,6 +31,7 @@ rule plots:
     input:
         evaluations=expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),
         metrics=TRAIN_METRICS,
+        summary=TRAIN_SUMMARY,
         disk=DISK_REPORT,
         config=CONFIG_SNAPSHOT,
         target=TARGET_DIR,

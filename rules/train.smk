@@ -4,6 +4,7 @@
 rule train:
     input:
         stores=expand(HIDDEN_STORE, shard=SHARDS),
+        heldout=heldout_stores,
         vocab=DRAFT_VOCAB,
         target=TARGET_DIR,
     output:

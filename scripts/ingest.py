@@ -11,8 +11,11 @@ data = snakemake.params.data
 kept, report = conversations.ingest([Path(p) for p in snakemake.input])
 for line in report.summary_lines():
     log.info(line)
+weights = None
+if data.get("weights"):  # by source file name: normalized conversations record the file they came from
+    weights = {Path(p).name: w for p, w in zip(snakemake.input, data["weights"], strict=True)}
 shards, held_out = conversations.split(kept, data["num_shards"], data["eval_conversations"],
-                                       data.get("train_conversations"), data["seed"])
+                                       data.get("train_conversations"), data["seed"], weights)
 for shard, path in zip(shards, snakemake.output.shards, strict=True):
     conversations.write_jsonl(shard, Path(path))
 conversations.write_jsonl(held_out, Path(snakemake.output.eval))

@@ -15,7 +15,8 @@ snakemake = globals()["snakemake"]
 torch.set_num_threads(snakemake.threads)
 Path(snakemake.output.config).write_text(yaml.safe_dump(dict(snakemake.params.provenance), sort_keys=False))
 args = {
-    "stores": list(snakemake.input.stores), "target": snakemake.input.target, "vocab": snakemake.input.vocab,
+    "stores": list(snakemake.input.stores), "heldout": list(snakemake.input.heldout),
+    "target": snakemake.input.target, "vocab": snakemake.input.vocab,
     "state_dir": snakemake.params.state_dir, "settings": dict(snakemake.params.settings),
     "weights": snakemake.output.weights, "summary": snakemake.output.summary, "log": snakemake.log[0],
 }

@@ -12,7 +12,16 @@ from safetensors import safe_open
 
 from eagle3_pipeline import export, hidden_store
 from eagle3_pipeline.model import Drafter, DrafterConfig
-from eagle3_pipeline.train import Teacher, TrainSettings, read_metrics, shift_left, step_metrics, train, ttt_forward
+from eagle3_pipeline.train import (
+    Teacher,
+    TrainSettings,
+    read_metrics,
+    shift_left,
+    step_metrics,
+    summary,
+    train,
+    ttt_forward,
+)
 
 from .tiny_models import tiny_target_with_store
 
@@ -243,3 +252,68 @@ def test_flex_ttt_attention_equals_the_explicit_one():
 
     for eager, flex in zip(unroll(False), unroll(True), strict=True):
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_offline_acceptance_counts_the_leading_matching_drafts():
+    """A hand-made case: the drafter's chain matches the target's greedy tokens for exactly a known number of
+    steps at each position, so tau(k) is known in closed form."""
+    from eagle3_pipeline import offline_acceptance
+
+    torch.manual_seed(0)
+    model = Drafter(tiny_config()).eval()
+    model.d2t.zero_()  # draft id i is target id i
+    length, steps = 10, 3
+    ids = torch.randint(0, 100, (1, length))
+    batch = {"input_ids": ids, "aux": torch.randn(1, length, 96), "last": torch.randn(1, length, 32),
+             "loss_mask": torch.ones(1, length, dtype=torch.bool), "valid": torch.ones(1, length, dtype=torch.bool)}
+    drafts = []
+    with torch.no_grad():  # what the drafter proposes at every (step, position), engine positions
+        hidden, cache = batch["aux"], []
+        for k in range(steps):
+            logits, hidden = model.step(shift_left(ids, 1 + k), hidden, torch.arange(length)[None] + k, cache)
+            drafts.append(logits[0].argmax(-1))
+    # The target's greedy token at t+1+k is made the step-k draft at t for the first positions (later positions
+    # overwrite earlier ones, so the expected lengths are counted below); `last` rows are one-hot position codes.
+    greedy = torch.full((length,), 99)
+    for t in range(4):
+        for k in range(steps):
+            greedy[t + 1 + k] = drafts[k][t]  # later positions overwrite earlier ones: compute expectations below
+    lm_head = torch.zeros(100, length)  # [V, H]
+    batch["last"] = torch.eye(length)[None]  # position p's state is one-hot p
+    for p in range(length):
+        lm_head[int(greedy[p]), p] = 1.0
+    expected = []
+    for t in range(length - 2):
+        accepted = 0
+        while accepted < steps and t + 2 + accepted < length \
+                and int(drafts[accepted][t]) == int(greedy[t + 1 + accepted]):
+            accepted += 1
+        expected.append(accepted)
+    result = offline_acceptance.estimate(model, lm_head, [batch], steps, torch.device("cpu"))
+    assert result.positions == length - 2
+    for k in range(1, steps + 1):
+        assert math.isclose(result.tau[k - 1], 1 + sum(min(a, k) for a in expected) / len(expected), rel_tol=1e-6)
+    assert result.tau[0] > 1.0  # the planted matches are found
+
+
+def test_heldout_estimate_every_epoch_keeps_the_best_weights_and_resumes(tiny_run, tmp_path):
+    from safetensors.torch import load_file
+
+    target_dir, store, vocab_path = tiny_run
+    straight = train([store], target_dir, vocab_path, tmp_path / "straight", settings(), heldout_paths=[store])
+    rows = read_metrics(tmp_path / "straight" / "heldout_estimate.csv")
+    assert [int(r["epoch"]) for r in rows] == list(range(1, 7))
+    assert rows[-1]["tau_k3"] >= rows[-1]["tau_k2"] >= rows[-1]["tau_k1"] >= 1.0
+    assert rows[-1]["tau_k1"] > rows[0]["tau_k1"]  # training moved the estimate
+    best = max(rows, key=lambda r: r["tau_k3"])  # settings(): 3 TTT steps, so select_k 4 is capped at 3
+    kept = load_file(str(tmp_path / "straight" / "best.safetensors"))
+    for name, tensor in straight.trainable_state_dict().items():
+        assert torch.equal(tensor, kept[name]), name
+    result = summary(tmp_path / "straight", settings())
+    assert result["heldout_estimate"]["kept"]["step"] == best["step"]
+    train([store], target_dir, vocab_path, tmp_path / "resumed", settings(), stop_after_step=5,
+          heldout_paths=[store])
+    resumed = train([store], target_dir, vocab_path, tmp_path / "resumed", settings(), heldout_paths=[store])
+    assert read_metrics(tmp_path / "resumed" / "heldout_estimate.csv") == rows
+    for name, tensor in straight.trainable_state_dict().items():
+        assert torch.equal(tensor, resumed.trainable_state_dict()[name]), name

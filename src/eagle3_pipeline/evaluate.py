@@ -16,6 +16,7 @@ output-defining settings guards it: anything else changed starts over.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import inspect
 import json
@@ -66,9 +67,11 @@ class Trace:
 # ---------------------------------------------------------------- prompts
 
 def load_prompts(path: Path, limit: int | None, multi_turn: bool = False) -> list[Prompt]:
-    """MT-bench `question.jsonl` (turns), held-out conversations (messages) or {"id", "prompt"} lines."""
+    """MT-bench `question.jsonl` (turns), held-out conversations (messages), {"id", "prompt"} lines or HumanEval
+    problems ({"task_id", "prompt"}: a Python signature and docstring to complete); gzipped when *.gz."""
     prompts = []
-    with open(path, encoding="utf-8") as handle:
+    opener = gzip.open if Path(path).suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         for index, line in enumerate(handle):
             if not line.strip():
                 continue
@@ -81,6 +84,10 @@ def load_prompts(path: Path, limit: int | None, multi_turn: bool = False) -> lis
                 messages = record["messages"]
                 first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
                 prompts.append(Prompt(prompt_id, messages[:first_reply]))
+            elif "task_id" in record and "prompt" in record:
+                prompt_id = str(record["task_id"])
+                content = f"Complete this Python function.\n\n```python\n{record['prompt']}```"
+                prompts.append(Prompt(prompt_id, [{"role": "user", "content": content}]))
             elif "prompt" in record:
                 prompts.append(Prompt(prompt_id, [{"role": "user", "content": record["prompt"]}]))
             else:

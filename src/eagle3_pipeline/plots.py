@@ -42,22 +42,40 @@ def tau_table(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
                                  f"{values.get('speedup_vs_target', 1.0):.3f}", values["prompts"]])
 
 
-def training_figure(metrics_path: Path, out: Path) -> None:
+def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:
+    """Loss and per-step accuracy; with a held-out estimate in the training summary, a third panel: estimated
+    tau per epoch for every draft length (the kept epoch marked)."""
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
     ttt = sum(1 for key in rows[0] if key.startswith("acc_"))
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    estimate = (train_summary or {}).get("heldout_estimate")
+    fig, axes = plt.subplots(1, 3 if estimate else 2, figsize=(18 if estimate else 12, 4))
+    loss_ax, acc_ax = axes[0], axes[1]
     loss_ax.plot(steps, [r["loss"] for r in rows])
     loss_ax.set(title="Training loss (weighted over TTT steps)", xlabel="step", ylabel="loss")
     for k in range(ttt):
         acc_ax.plot(steps, [r[f"acc_{k}"] for r in rows], label=f"TTT step {k}")
     acc_ax.set(title="Top-1 accuracy vs the target, per TTT step", xlabel="step", ylabel="accuracy", ylim=(0, 1))
     acc_ax.legend(fontsize=8)
-    for ax in (loss_ax, acc_ax):
+    if estimate:
+        heldout_panel(axes[2], estimate)
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def heldout_panel(ax: Any, estimate: dict[str, Any]) -> None:
+    by_epoch = estimate["by_epoch"]
+    epochs = [r["epoch"] for r in by_epoch]
+    lengths = sorted(int(key[5:]) for key in by_epoch[0] if key.startswith("tau_k"))
+    for k in lengths:
+        ax.plot(epochs, [r[f"tau_k{k}"] for r in by_epoch], marker="o", label=f"k={k}")
+    kept = estimate["kept"]
+    ax.axvline(kept["epoch"], color="grey", linestyle="--", label=f"kept (epoch {int(kept['epoch'])})")
+    ax.set(title="Offline acceptance estimate on held-out data", xlabel="epoch", ylabel="estimated tau")
+    ax.legend(fontsize=8)
 
 
 def disk_figure(disk_report: dict[str, Any], out: Path) -> None:

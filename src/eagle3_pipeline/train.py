@@ -23,12 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from . import hidden_store, vocab
+from . import hidden_store, offline_acceptance, vocab
 from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention_problem
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
+HELDOUT_FILE = "heldout_estimate.csv"
+BEST_WEIGHTS_FILE = "best.safetensors"
 GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -51,7 +54,9 @@ class TrainSettings:
     num_workers: int = 2
     device: str = "auto"
     attention: str = "auto"  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
-    compile: str = "auto"  # torch.compile the loss and teacher: "on", "off"; auto = on GPU
+    compile: str = "auto"  # torch.compile the loss: "on", "off"; auto = on GPU
+    feature_noise: float = 0.0  # Gaussian noise on the aux features, relative to each row's RMS
+    heldout_select_k: int = 4  # keep the weights with the best offline tau at this draft length
     pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
 
 
@@ -67,8 +72,10 @@ class BatchSchedule(torch.utils.data.Dataset):
         self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
         self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
         self.batches: list[list[tuple[int, int]]] = []
+        self.epoch_ends: list[int] = []  # batch count at the end of each epoch
         for epoch in range(settings.epochs):
             self.batches += self._epoch(epoch)
+            self.epoch_ends.append(len(self.batches))
 
     def _epoch(self, epoch: int) -> list[list[tuple[int, int]]]:
         """Shuffle, then sort by length inside windows of about GROUP_BATCHES batches before packing: batches
@@ -316,8 +323,12 @@ def is_main_process() -> bool:
 
 
 def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir: Path,
-          settings: TrainSettings, stop_after_step: int | None = None) -> Drafter:
-    """Train (or resume) until done; returns the model. `stop_after_step` simulates a kill in tests."""
+          settings: TrainSettings, stop_after_step: int | None = None,
+          heldout_paths: list[Path] | None = None) -> Drafter:
+    """Train (or resume) until done; returns the model. `stop_after_step` simulates a kill in tests.
+
+    With `heldout_paths`, the offline acceptance estimate runs after every epoch and the returned weights are
+    those with the best estimate (see HeldoutSelection)."""
     stores = [hidden_store.validate(p) for p in store_paths]  # refuse invalid stores up front
     aux_layer_ids = stores[0]["aux_layer_ids"]
     if any(s["aux_layer_ids"] != aux_layer_ids for s in stores):
@@ -358,6 +369,10 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
         truncate_metrics(metrics_path, start)
+    selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device) \
+        if heldout_paths and is_main_process() else None
+    epoch_end_steps = {min(end // world, steps_total): epoch + 1 for epoch, end in enumerate(schedule.epoch_ends)}
+    epoch_end_steps[steps_total] = epoch_end_steps.get(steps_total, settings.epochs)
     objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay,
                              compiled_loss(settings, device, log))
     if distributed:
@@ -379,6 +394,8 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     for batch in loader:
         tokens = int(batch["valid"].sum())
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if settings.feature_noise:
+            batch["aux"] = with_feature_noise(batch["aux"], settings.feature_noise)
         with autocast:
             loss, step_metrics = objective(batch)
         optimizer.zero_grad(set_to_none=True)
@@ -396,6 +413,10 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
                 append_metrics(metrics_path, row)
                 log.info(format_row(row, steps_total))
             tick = time.perf_counter()
+        if selection and step in epoch_end_steps:
+            selection.evaluate(model, step, epoch_end_steps[step])
+            model.train()
+            tick = time.perf_counter()
         if step % settings.checkpoint_every == 0 and step < steps_total and is_main_process():
             save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, settings)
         if stop_after_step is not None and step >= stop_after_step:
@@ -404,7 +425,66 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
             return model
     if is_main_process():
         save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, settings)
+    if selection:
+        selection.restore_best(model)
     return model
+
+
+def with_feature_noise(aux: torch.Tensor, relative_std: float) -> torch.Tensor:
+    """aux + N(0, (relative_std * RMS of each feature vector)^2): the drafter learns to tolerate the small
+    differences between the features it trains on and those a serving engine computes (other kernels, dtypes)."""
+    rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (aux.float() + torch.randn_like(aux, dtype=torch.float32) * rms * relative_std).to(aux.dtype)
+
+
+class HeldoutSelection:
+    """The offline acceptance estimate after every epoch (train_state/heldout_estimate.csv) and the weights with
+    the best tau at `heldout_select_k` (train_state/best.safetensors), which training returns at the end.
+    Resuming at step s keeps the rows and best weights of steps <= s (later ones are recomputed identically)."""
+
+    def __init__(self, paths: list[Path], settings: TrainSettings, lm_head: torch.Tensor, state_dir: Path,
+                 start: int, device: torch.device):
+        self.schedule = BatchSchedule(paths, TrainSettings(**(asdict(settings) | {"epochs": 1})))
+        self.settings, self.lm_head, self.device = settings, lm_head, device
+        self.csv, self.best_path = state_dir / HELDOUT_FILE, state_dir / BEST_WEIGHTS_FILE
+        truncate_metrics(self.csv, start)
+        self.best_step, self.best_tau = self._read_best(start)
+
+    def _read_best(self, start: int) -> tuple[int, float]:
+        if not self.best_path.exists():
+            return 0, float("-inf")
+        with safe_open(str(self.best_path), framework="pt") as handle:
+            meta = handle.metadata()
+        if int(meta["step"]) > start:  # written after the checkpoint being resumed: it will be recomputed
+            self.best_path.unlink()
+            return 0, float("-inf")
+        return int(meta["step"]), float(meta["tau"])
+
+    def evaluate(self, model: Drafter, step: int, epoch: int) -> None:
+        tick = time.perf_counter()
+        batches = (self.schedule[i] for i in range(len(self.schedule)))
+        result = offline_acceptance.estimate(model, self.lm_head, batches, self.settings.ttt_steps, self.device)
+        k = min(self.settings.heldout_select_k, len(result.tau))
+        tau = result.tau[k - 1]
+        append_metrics(self.csv, {"step": step, "epoch": epoch} | result.row())
+        log.info("held-out estimate after epoch %d (step %d, %d draft positions, %.1f s): tau %s; "
+                 "top-1 per chain step %s", epoch, step, result.positions, time.perf_counter() - tick,
+                 " ".join(f"k={i + 1}:{t:.3f}" for i, t in enumerate(result.tau)),
+                 " ".join(f"{a:.3f}" for a in result.accuracy))
+        if tau > self.best_tau:
+            self.best_step, self.best_tau = step, tau
+            weights = {name: t.detach().contiguous().cpu() for name, t in model.trainable_state_dict().items()}
+            partial = self.best_path.with_name(self.best_path.name + ".partial")
+            save_file(weights, str(partial), metadata={"step": str(step), "tau": repr(tau)})
+            os.replace(partial, self.best_path)
+
+    def restore_best(self, model: Drafter) -> None:
+        if not self.best_path.exists():
+            return
+        log.info("keeping the weights of step %d: best held-out tau at k=%d, %.3f", self.best_step,
+                 self.settings.heldout_select_k, self.best_tau)
+        model.load_state_dict(load_file(str(self.best_path), device=str(next(model.parameters()).device)),
+                              strict=False)
 
 
 class MetricsWindow:
@@ -470,12 +550,18 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
-def summary(metrics_path: Path, ttt_steps: int) -> dict[str, Any]:
-    rows = read_metrics(metrics_path)
+def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:
+    rows = read_metrics(state_dir / METRICS_FILE)
     last = rows[-1]
-    return {"steps": int(last["step"]), "final_loss": last["loss"],
-            "acc_per_step": [last[f"acc_{k}"] for k in range(ttt_steps)],
-            "expected_acceptance_per_step": [last[f"accept_{k}"] for k in range(ttt_steps)]}
+    result = {"steps": int(last["step"]), "final_loss": last["loss"],
+              "acc_per_step": [last[f"acc_{k}"] for k in range(settings.ttt_steps)],
+              "expected_acceptance_per_step": [last[f"accept_{k}"] for k in range(settings.ttt_steps)]}
+    if (state_dir / HELDOUT_FILE).exists():
+        estimates = read_metrics(state_dir / HELDOUT_FILE)
+        key = f"tau_k{min(settings.heldout_select_k, settings.ttt_steps)}"
+        result["heldout_estimate"] = {"by_epoch": estimates, "kept": max(estimates, key=lambda r: r[key]),
+                                      "selected_by": key}
+    return result
 
 
 def settings_from_config(config: dict[str, Any]) -> TrainSettings:

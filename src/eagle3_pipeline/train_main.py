@@ -27,13 +27,13 @@ def run(args: dict) -> None:
     try:
         settings = settings_from_config(args["settings"])
         model = train([Path(p) for p in args["stores"]], Path(args["target"]), Path(args["vocab"]),
-                      Path(args["state_dir"]), settings)
+                      Path(args["state_dir"]), settings, heldout_paths=[Path(p) for p in args.get("heldout", [])])
         if rank == 0:
             weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
             partial = Path(args["weights"] + ".partial")
             save_file(weights, str(partial), metadata={"drafter_config": json.dumps(model.config.as_dict())})
             os.replace(partial, args["weights"])
-            result = summary(Path(args["state_dir"]) / "metrics.csv", settings.ttt_steps)
+            result = summary(Path(args["state_dir"]), settings)
             Path(args["summary"]).write_text(json.dumps(result, indent=2))
             log.info("done: %s", result)
     finally:

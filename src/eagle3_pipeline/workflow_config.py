@@ -49,6 +49,12 @@ def check(config: dict[str, Any]) -> Settings:
         target_source = source  # a hub id, resolved from the local HF cache when the target rule runs
     data = config["data"]
     inputs = [resolve_input(f"data.inputs[{i}]", value) for i, value in enumerate(data["inputs"])]
+    if data.get("weights") is not None:
+        if len(data["weights"]) != len(inputs):
+            raise ConfigError(f"config key data.weights: {len(data['weights'])} weights for {len(inputs)} inputs")
+        names = [Path(p).name for p in inputs]
+        if len(set(names)) != len(names):  # conversations record their source by file name
+            raise ConfigError("config key data.weights: inputs need distinct file names to be weighted")
     if data.get("train_conversations") is not None and data["train_conversations"] < data["num_shards"]:
         raise ConfigError(f"config key data.train_conversations: {data['train_conversations']} is fewer "
                           f"than data.num_shards ({data['num_shards']})")

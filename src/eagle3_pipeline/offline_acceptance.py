@@ -1,0 +1,81 @@
+"""Offline acceptance estimate: the drafter's greedy chain acceptance on held-out hidden states, without decoding.
+
+At every held-out position t where a draft is made (token t+2 is an assistant token), the drafter is unrolled
+as in training-time test (engine positions, the data's tokens fed to the chain) and the leading steps whose
+draft - its argmax over the draft vocab, mapped to a target id - equals the target's own greedy token at
+t+1+k are counted. Greedy verification accepts exactly that prefix, so the expected tokens per target forward
+at draft length k is tau(k) = 1 + mean(min(accepted, k)) (SpecForge's simulated acceptance length, per
+position rather than from per-step averages).
+
+What it cannot see: decoding feeds the chain the target's own greedy tokens, this estimate the data's tokens
+(ShareGPT replies, or regenerated ones); where the two differ the estimate scores a context the target would
+not have written. docs/RESULTS.md sets it beside decoded tau for the same drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .model import Drafter
+
+
+@dataclass
+class Estimate:
+    positions: int  # draft opportunities scored
+    tau: list[float]  # expected tokens per target forward at draft length k = 1..steps
+    accuracy: list[float]  # top-1 agreement with the target's greedy token per chain step (teacher-forced)
+
+    def row(self) -> dict[str, float]:
+        return {"positions": self.positions} | {f"tau_k{k + 1}": t for k, t in enumerate(self.tau)} | {
+            f"step_acc_{k}": a for k, a in enumerate(self.accuracy)}
+
+
+def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
+    return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], dim=1)
+
+
+@torch.no_grad()
+def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps])."""
+    ids, valid = batch["input_ids"], batch["valid"]
+    batch_size, length = ids.shape
+    greedy = (batch["last"].to(lm_head.dtype) @ lm_head.T).argmax(-1)  # the target's next token at every t
+    positions = torch.arange(length, device=ids.device).expand(batch_size, length)
+    hidden = batch["aux"].to(model.fc.weight.dtype)
+    cache: list = []
+    matches = torch.zeros(steps, batch_size, length, dtype=torch.bool, device=ids.device)
+    for k in range(steps):
+        logits, hidden = model.step(_shift_left(ids, 1 + k), hidden, positions + k, cache)
+        span = max(length - 2 - k, 0)
+        draft = model.draft_to_target(logits[:, :span].argmax(-1))
+        matches[k, :, :span] = (draft == greedy[:, 1 + k: 1 + k + span]) & valid[:, 2 + k:]
+    opportunities = torch.zeros_like(valid)
+    opportunities[:, : max(length - 2, 0)] = (batch["loss_mask"] & valid)[:, 2:]
+    chain = matches.cumprod(dim=0)  # step k accepted only if every earlier step was
+    accepted = chain.sum(dim=0)[opportunities]
+    per_step = matches[:, opportunities].sum(dim=1)
+    return accepted, per_step
+
+
+def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]], steps: int,
+             device: torch.device) -> Estimate:
+    """Acceptance over every held-out batch (the model is put in eval mode and left there)."""
+    model.eval()
+    histogram = np.zeros(steps + 1)
+    per_step = np.zeros(steps)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for batch in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast:
+            accepted, matched = accepted_lengths(model, lm_head, batch, steps)
+        histogram += np.bincount(accepted.cpu().numpy(), minlength=steps + 1)
+        per_step += matched.cpu().numpy()
+    total = histogram.sum()
+    lengths = np.arange(steps + 1)
+    tau = [1.0 + float((np.minimum(lengths, k) * histogram).sum() / max(total, 1)) for k in range(1, steps + 1)]
+    return Estimate(int(total), tau, [float(m / max(total, 1)) for m in per_step])
