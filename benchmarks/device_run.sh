@@ -7,6 +7,8 @@
 #             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the second run.
 #             Calls stop at $LIMIT seconds; the same command in the next call resumes both runs
 #             (regeneration and evaluation keep finished work while the machine stays warm).
+#   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
+#             visible to the one run; resumable across calls like compare; ends with its HTML report.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
@@ -18,8 +20,8 @@ deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
-read -ra second <<< "${SECOND:-config/examples/gpu-smollm2-no-regen.yaml}"
-second_name=$(grep -h '^run:' "${second[@]}" | tail -1 | awk '{print $2}')
+read -ra second <<< "${SECOND:-config/examples/gpu-smollm2-8k.yaml}"
+second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
   cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-} "$@" --cores all --resources gpu=4
@@ -51,7 +53,7 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
   local files=()
   for run in results/smollm2-gpu results/$second_name; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
-             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation report \
+             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation report train_state/*.csv \
              serving/drafter/config.json; do
       [ -e "$run/$f" ] && files+=("$run/$f")
     done
@@ -75,6 +77,12 @@ case $stage in
      [ "${CONTROL:-1}" = 1 ] && pipeline "$second_name" "${second[@]}") &
     wait
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
+    ;;
+  single)
+    snakemake_for "${second[@]}"
+    "${cmd[@]}" --unlock >/dev/null 2>&1
+    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    pipeline "$second_name" "${second[@]}"
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &
