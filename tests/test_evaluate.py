@@ -88,3 +88,41 @@ def test_prompt_files(tmp_path):
     held.write_text('{"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},'
                     ' {"role": "assistant", "content": "r"}]}\n')
     assert [m["role"] for m in evaluate.load_prompts(held, None)[0].messages] == ["system", "user"]
+
+
+def vllm_style_chain(drafter, context: list[int], features: torch.Tensor, k: int, advance: int = 1):
+    """The chain as vLLM's EagleProposer.propose drafts it, written out independently: every real row at its
+    own position, the first draft from the last real row, then `positions += 1` before every further step
+    (`advance=0`: our old rule, every chain row at the last real position)."""
+    n = features.shape[0]
+    positions = torch.arange(n)[None]
+    logits, hidden, cache = drafter.decode(torch.tensor([context[1:n + 1]]), features[None], positions)
+    position, hidden = positions[:, -1:], hidden[:, -1:]
+    tokens, chain_logits = [], []
+    for _ in range(k):
+        chain_logits.append(logits[0, -1])
+        token = drafter.draft_to_target(logits[0, -1].argmax())
+        tokens.append(int(token))
+        position = position + advance
+        logits, hidden, cache = drafter.decode(token.view(1, 1), hidden, position, cache)
+    return tokens, torch.stack(chain_logits)
+
+
+@torch.inference_mode()
+def test_chain_positions_match_a_vllm_style_rule(trained):
+    target, drafter, store = trained
+    from eagle3_pipeline.hidden_store import HiddenStore
+
+    ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
+    _, features = target.forward(ids, target.new_cache())
+    proposer = evaluate.DrafterProposer(drafter)
+    k = 5
+    for n in (10, 11, 14, 15, 19):  # the real rows grow by 1..4 between calls, as after verify steps
+        drafts, logits = proposer.chain(ids[:n + 1], features[:n], k)
+        expected_drafts, expected_logits = vllm_style_chain(drafter, ids[:n + 1], features[:n], k)
+        assert drafts.tolist() == expected_drafts
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    # the comparison can fail: the old rule (chain rows at the last real position) gives other logits
+    _, old_logits = vllm_style_chain(drafter, ids[:20], features[:19], k, advance=0)
+    assert torch.equal(old_logits[0], expected_logits[0])
+    assert not torch.allclose(old_logits[1:], expected_logits[1:], rtol=1e-4, atol=1e-4)

@@ -172,6 +172,18 @@ class DrafterProposer:
     @torch.inference_mode()
     def __call__(self, context: list[int], features: torch.Tensor, k: int) -> list[int]:
         """context = tokens x_0..x_n (x_n not yet seen by the target); features = f_0..f_{n-1}."""
+        drafts, _ = self.chain(context, features, k)
+        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
+        # (and, with other processes on the GPU, wait for a time slice each time).
+        return drafts.tolist()
+
+    @torch.inference_mode()
+    def chain(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft target ids [k] and the draft-vocab logits [k, K] they were chosen from.
+
+        Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
+        feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
+        (fed draft i) at position n-1+i."""
         n = features.shape[0]
         dtype = self.drafter.fc.weight.dtype
         new_tokens = torch.tensor([context[self.done + 1: n + 1]], device=self.device)
@@ -180,19 +192,18 @@ class DrafterProposer:
         logits, hidden, self.cache = self.drafter.decode(new_tokens, hidden, positions, self.cache)
         self.done = n
         real = self.cache
-        hidden = hidden[:, -1:]
-        token = self.drafter.draft_to_target(logits[0, -1].argmax())
-        drafts = [token]
-        for _ in range(k - 1):
-            # chain rows reuse the last real position, as in training-time test
-            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden,
-                                                             positions[:, -1:], self.cache)
-            token = self.drafter.draft_to_target(logits[0, -1].argmax())
+        hidden, logits = hidden[:, -1:], logits[0, -1]
+        token = self.drafter.draft_to_target(logits.argmax())
+        drafts, chain_logits = [token], [logits]
+        for step in range(1, k):
+            position = positions[:, -1:] + step
+            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden, position, self.cache)
+            logits = logits[0, -1]
+            token = self.drafter.draft_to_target(logits.argmax())
             drafts.append(token)
+            chain_logits.append(logits)
         self.cache = real  # chain rows are speculative; the next call appends the verified real rows
-        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
-        # (and, with other processes on the GPU, wait for a time slice each time).
-        return torch.stack(drafts).tolist()
+        return torch.stack(drafts), torch.stack(chain_logits)
 
 
 def prompt_lookup(max_ngram: int = 3) -> DraftFn:
