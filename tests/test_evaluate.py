@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -126,3 +128,45 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
     _, old_logits = vllm_style_chain(drafter, ids[:20], features[:19], k, advance=0)
     assert torch.equal(old_logits[0], expected_logits[0])
     assert not torch.allclose(old_logits[1:], expected_logits[1:], rtol=1e-4, atol=1e-4)
+
+
+def test_low_precision_counts_divergence_where_fp32_raises():
+    reference = [Trace("a", "target", [1, 2, 3, 4], total_seconds=1.0), Trace("b", "target", [5, 6], total_seconds=1.0)]
+    drafted = [Trace("b", "eagle3@k=2", [5, 6], accepted=[1], drafted=[2], target_forwards=1, total_seconds=1.0),
+               Trace("a", "eagle3@k=2", [1, 2, 9, 9], accepted=[1, 1], drafted=[2, 2], target_forwards=2,
+                     total_seconds=1.0)]
+    with pytest.raises(evaluate.LosslessViolation, match="prompt a: eagle3@k=2 .* at token 2"):
+        evaluate.check_lossless(drafted[1], reference[0])
+    summary = evaluate.summarise_methods({"target": reference, "eagle3@k=2": drafted}, logging.getLogger("test"))
+    assert summary["eagle3@k=2"]["diverged_share"] == 0.5
+    assert summary["eagle3@k=2"]["first_divergence"] == {"a": 2}
+    assert summary["eagle3@k=2"]["tau"] == 6 / 3  # from the method's own run
+
+
+def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
+    """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
+    from eagle3_pipeline.model import Drafter, DrafterConfig
+    from eagle3_pipeline.target import load_config
+
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(load_config(target_dir), draft_vocab_size, [2, 15, 27])
+    drafter = Drafter(config)
+    drafter.t2d[:draft_vocab_size] = True  # the draft vocab: the first ids (d2t stays 0)
+    export.export(drafter, out, dtype="float32")
+    return out
+
+
+def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, tmp_path):
+    serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
+    prompts = [evaluate.Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
+               evaluate.Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
+    settings = {"device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
+                "untrained_baseline": False, "workers": 1}
+    log = logging.getLogger("test")
+    result = evaluate.run_job(target_dir, serving, prompts, settings, False, str(tmp_path / "log"), log,
+                              tmp_path / "progress")
+    tokens = {(t["prompt_id"], t["method"]): t["tokens"] for t in result["traces"]}
+    for method in ("eagle3@k=3", "prompt-lookup@k=3"):
+        diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
+        assert result["summary"][method]["diverged_share"] == len(diverged) / 2
+        assert set(result["summary"][method]["first_divergence"]) == diverged
