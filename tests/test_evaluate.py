@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3_pipeline import evaluate, export
-from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise
+from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.target import load_model
 from eagle3_pipeline.train import TrainSettings, read_target_head, train
 
@@ -21,11 +21,12 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
                   target_forwards=4)
     # position 1 reached 4 times, accepted 3; position 2 reached 3, accepted 2; position 3 reached 2, accepted 1
     assert acceptance_by_position([trace], 3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert summarise([trace], 3)["tau"] == pytest.approx(11 / 4)
     baseline = Trace("p", "target", tokens=list(range(11)), target_forwards=11, total_seconds=2.0)
-    trace.total_seconds = 1.0
-    summary = summarise([trace], [baseline], 3)
-    assert summary["tau"] == pytest.approx(11 / 4)
-    assert summary["speedup_vs_target"] == pytest.approx(2.0)
+    trace.total_seconds, trace.draft_seconds, trace.verify_seconds = 1.0, 0.2, 0.6
+    speed = timing_summary([trace], [baseline])
+    assert speed["speedup_vs_target"] == pytest.approx(2.0)
+    assert speed["draft_ms_per_step"] == pytest.approx(50.0) and speed["verify_ms_per_step"] == pytest.approx(150.0)
 
 
 def test_prompt_lookup_copies_what_followed_the_last_match():
@@ -170,3 +171,19 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
         diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
         assert result["summary"][method]["diverged_share"] == len(diverged) / 2
         assert set(result["summary"][method]["first_divergence"]) == diverged
+
+
+def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
+    serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
+    prompt_sets = {"a": [evaluate.Prompt("a1", [{"role": "user", "content": "Say hello."}])],
+                   "b": [evaluate.Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
+    settings = {"device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1,
+                                                                                        "max_new_tokens": 8}}
+    result = evaluate.run_timing(target_dir, serving, prompt_sets, settings, False, logging.getLogger("test"))
+    assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
+    for speeds in result["sets"].values():
+        assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3"}
+        assert speeds["target"]["speedup_vs_target"] == 1.0
+        for method, speed in speeds.items():
+            assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless
+            assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])
