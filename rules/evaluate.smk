@@ -1,4 +1,10 @@
 # Evaluation: speculative decoding with the exported drafter vs baselines, then plots for the report.
+# Two passes: `evaluate` (per prompt set, parallel workers) measures tau; `evaluate_timing` (one process,
+# after every tau pass) measures speed.
+
+import types
+
+TIMING_RESULTS = f"{RESULTS}/timing/timing.json"
 
 
 rule evaluate:
@@ -27,9 +33,38 @@ rule evaluate:
         "../scripts/evaluate.py"
 
 
+rule evaluate_timing:
+    input:
+        serving=SERVING_DIR,
+        target=TARGET_DIR,
+        prompts=[prompt_file(types.SimpleNamespace(prompt_set=name)) for name in PROMPT_SETS],
+        tau_pass=expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),  # after the tau pass: nothing else of ours runs
+    output:
+        report(
+            TIMING_RESULTS,
+            caption="../report/timing.rst",
+            category="Evaluation",
+            labels={"prompt set": "all", "kind": "timing pass (JSON)"},
+        ),
+    params:
+        settings=config["evaluate"],
+        prompt_sets=PROMPT_SETS,
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/evaluate_timing.log",
+    script:
+        "../scripts/evaluate_timing.py"
+
+
 rule plots:
     input:
         evaluations=expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),
+        timing=TIMING_RESULTS,
         metrics=TRAIN_METRICS,
         summary=TRAIN_SUMMARY,
         disk=DISK_REPORT,

@@ -9,7 +9,7 @@ snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])
 evaluations = {Path(p).stem: json.loads(Path(p).read_text()) for p in snakemake.input.evaluations}
 plots.acceptance_figure(evaluations, Path(snakemake.output.acceptance))
-plots.tau_table(evaluations, Path(snakemake.output.tau))
+plots.tau_table(evaluations, json.loads(Path(snakemake.input.timing).read_text()), Path(snakemake.output.tau))
 plots.training_figure(Path(snakemake.input.metrics), Path(snakemake.output.training),
                       json.loads(Path(snakemake.input.summary).read_text()))
 plots.disk_figure(json.loads(Path(snakemake.input.disk).read_text()), Path(snakemake.output.disk))

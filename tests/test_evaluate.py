@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from eagle3_pipeline import evaluate, export
-from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise
+from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.target import load_model
 from eagle3_pipeline.train import TrainSettings, read_target_head, train
 
@@ -19,11 +21,12 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
                   target_forwards=4)
     # position 1 reached 4 times, accepted 3; position 2 reached 3, accepted 2; position 3 reached 2, accepted 1
     assert acceptance_by_position([trace], 3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert summarise([trace], 3)["tau"] == pytest.approx(11 / 4)
     baseline = Trace("p", "target", tokens=list(range(11)), target_forwards=11, total_seconds=2.0)
-    trace.total_seconds = 1.0
-    summary = summarise([trace], [baseline], 3)
-    assert summary["tau"] == pytest.approx(11 / 4)
-    assert summary["speedup_vs_target"] == pytest.approx(2.0)
+    trace.total_seconds, trace.draft_seconds, trace.verify_seconds = 1.0, 0.2, 0.6
+    speed = timing_summary([trace], [baseline])
+    assert speed["speedup_vs_target"] == pytest.approx(2.0)
+    assert speed["draft_ms_per_step"] == pytest.approx(50.0) and speed["verify_ms_per_step"] == pytest.approx(150.0)
 
 
 def test_prompt_lookup_copies_what_followed_the_last_match():
@@ -88,3 +91,99 @@ def test_prompt_files(tmp_path):
     held.write_text('{"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},'
                     ' {"role": "assistant", "content": "r"}]}\n')
     assert [m["role"] for m in evaluate.load_prompts(held, None)[0].messages] == ["system", "user"]
+
+
+def vllm_style_chain(drafter, context: list[int], features: torch.Tensor, k: int, advance: int = 1):
+    """The chain as vLLM's EagleProposer.propose drafts it, written out independently: every real row at its
+    own position, the first draft from the last real row, then `positions += 1` before every further step
+    (`advance=0`: our old rule, every chain row at the last real position)."""
+    n = features.shape[0]
+    positions = torch.arange(n)[None]
+    logits, hidden, cache = drafter.decode(torch.tensor([context[1:n + 1]]), features[None], positions)
+    position, hidden = positions[:, -1:], hidden[:, -1:]
+    tokens, chain_logits = [], []
+    for _ in range(k):
+        chain_logits.append(logits[0, -1])
+        token = drafter.draft_to_target(logits[0, -1].argmax())
+        tokens.append(int(token))
+        position = position + advance
+        logits, hidden, cache = drafter.decode(token.view(1, 1), hidden, position, cache)
+    return tokens, torch.stack(chain_logits)
+
+
+@torch.inference_mode()
+def test_chain_positions_match_a_vllm_style_rule(trained):
+    target, drafter, store = trained
+    from eagle3_pipeline.hidden_store import HiddenStore
+
+    ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
+    _, features = target.forward(ids, target.new_cache())
+    proposer = evaluate.DrafterProposer(drafter)
+    k = 5
+    for n in (10, 11, 14, 15, 19):  # the real rows grow by 1..4 between calls, as after verify steps
+        drafts, logits = proposer.chain(ids[:n + 1], features[:n], k)
+        expected_drafts, expected_logits = vllm_style_chain(drafter, ids[:n + 1], features[:n], k)
+        assert drafts.tolist() == expected_drafts
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    # the comparison can fail: the old rule (chain rows at the last real position) gives other logits
+    _, old_logits = vllm_style_chain(drafter, ids[:20], features[:19], k, advance=0)
+    assert torch.equal(old_logits[0], expected_logits[0])
+    assert not torch.allclose(old_logits[1:], expected_logits[1:], rtol=1e-4, atol=1e-4)
+
+
+def test_low_precision_counts_divergence_where_fp32_raises():
+    reference = [Trace("a", "target", [1, 2, 3, 4], total_seconds=1.0), Trace("b", "target", [5, 6], total_seconds=1.0)]
+    drafted = [Trace("b", "eagle3@k=2", [5, 6], accepted=[1], drafted=[2], target_forwards=1, total_seconds=1.0),
+               Trace("a", "eagle3@k=2", [1, 2, 9, 9], accepted=[1, 1], drafted=[2, 2], target_forwards=2,
+                     total_seconds=1.0)]
+    with pytest.raises(evaluate.LosslessViolation, match="prompt a: eagle3@k=2 .* at token 2"):
+        evaluate.check_lossless(drafted[1], reference[0])
+    summary = evaluate.summarise_methods({"target": reference, "eagle3@k=2": drafted}, logging.getLogger("test"))
+    assert summary["eagle3@k=2"]["diverged_share"] == 0.5
+    assert summary["eagle3@k=2"]["first_divergence"] == {"a": 2}
+    assert summary["eagle3@k=2"]["tau"] == 6 / 3  # from the method's own run
+
+
+def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
+    """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
+    from eagle3_pipeline.model import Drafter, DrafterConfig
+    from eagle3_pipeline.target import load_config
+
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(load_config(target_dir), draft_vocab_size, [2, 15, 27])
+    drafter = Drafter(config)
+    drafter.t2d[:draft_vocab_size] = True  # the draft vocab: the first ids (d2t stays 0)
+    export.export(drafter, out, dtype="float32")
+    return out
+
+
+def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, tmp_path):
+    serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
+    prompts = [evaluate.Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
+               evaluate.Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
+    settings = {"device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
+                "untrained_baseline": False, "workers": 1}
+    log = logging.getLogger("test")
+    result = evaluate.run_job(target_dir, serving, prompts, settings, False, str(tmp_path / "log"), log,
+                              tmp_path / "progress")
+    tokens = {(t["prompt_id"], t["method"]): t["tokens"] for t in result["traces"]}
+    for method in ("eagle3@k=3", "prompt-lookup@k=3"):
+        diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
+        assert result["summary"][method]["diverged_share"] == len(diverged) / 2
+        assert set(result["summary"][method]["first_divergence"]) == diverged
+
+
+def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
+    serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
+    prompt_sets = {"a": [evaluate.Prompt("a1", [{"role": "user", "content": "Say hello."}])],
+                   "b": [evaluate.Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
+    settings = {"device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1,
+                                                                                        "max_new_tokens": 8}}
+    result = evaluate.run_timing(target_dir, serving, prompt_sets, settings, False, logging.getLogger("test"))
+    assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
+    for speeds in result["sets"].values():
+        assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3"}
+        assert speeds["target"]["speedup_vs_target"] == 1.0
+        for method, speed in speeds.items():
+            assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless
+            assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])

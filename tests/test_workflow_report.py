@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import csv
 import json
 import os
 import re
@@ -32,7 +33,8 @@ def tiny_run_config(tmp_path, target_dir) -> dict:
         train={"ttt_steps": 2, "epochs": 1, "batch_tokens": 512, "max_seq_len": 128, "warmup_steps": 1,
                "checkpoint_every": 5, "log_every": 1, "num_workers": 0, "threads": 2},
         evaluate={"prompts": ["mtbench-package", "held-out"], "max_prompts": 2, "max_new_tokens": 6,
-                  "draft_lengths": [2], "device": "cpu", "workers": 2})
+                  "draft_lengths": [2], "device": "cpu", "workers": 2,
+                  "timing": {"prompts": 1, "max_new_tokens": 6}})
 
 
 def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
@@ -42,8 +44,24 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     for prompt_set in ("mtbench-package", "held-out"):
         evaluation = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())
         assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
-        assert evaluation["summary"]["eagle3@k=2"]["tau"] >= 1.0
+        traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
+        eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
+        assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
+            sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
+        for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
+            assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
+            assert trace["target_forwards"] == len(trace["accepted"])
         assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+    timing = json.loads((results / "timing" / "timing.json").read_text())
+    assert timing["pass"] == "timing" and set(timing["sets"]) == {"mtbench-package", "held-out"}
+    assert set(timing["sets"]["held-out"]) == {"target", "eagle3@k=2", "prompt-lookup@k=2"}
+    table = list(csv.DictReader((results / "report" / "tau_and_speedup.csv").open()))
+    for row in table:  # tau from the tau pass, speeds from the timing pass, each named by its pass
+        summary = json.loads((results / "evaluation" / f"{row['prompt_set']}.json").read_text())["summary"]
+        assert float(row["tau (tau pass)"]) == pytest.approx(summary[row["method"]].get("tau", 1.0), abs=1e-3)
+        speed = timing["sets"][row["prompt_set"]].get(row["method"])
+        assert row["speedup_vs_target (timing pass)"] == (f"{speed['speedup_vs_target']:.3f}" if speed else "")
+    assert len(table) == 2 * 4
     parity = json.loads((results / "parity" / "hf.json").read_text())
     assert parity["passed"] and parity["aux_layer_ids"] == [2, 15, 27]
     served = json.loads((results / "serving" / "drafter" / "config.json").read_text())
@@ -58,8 +76,12 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
         width, height = struct.unpack(">II", png[16:24])
         assert width > 300 and height > 200
     for name in ("acceptance_by_position.png", "training_curves.png", "disk_plan_vs_actual.png",
-                 "tau_and_speedup.csv", "provenance.json", "mtbench-package.json"):
+                 "tau_and_speedup.csv", "provenance.json", "mtbench-package.json", "timing.json"):
         assert name in html
+
+
+def finished_prompts(progress) -> int:
+    return sum(len(journal.read_intact(part)[0]) for part in progress.glob("*.jsonl"))
 
 
 def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, target_dir):
@@ -71,8 +93,8 @@ def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, targ
     progress = output.with_name(output.name + ".progress")
     process = subprocess.Popen(snakemake_command(tmp_path, config, str(output.relative_to(tmp_path))),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and sum(len(f.read_text().splitlines()) for f in progress.glob("*.jsonl")) < 2:
+    # Wait on events, not on a clock: the kill lands once two prompts are in the journal (or the run ended).
+    while process.poll() is None and finished_prompts(progress) < 2:
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()

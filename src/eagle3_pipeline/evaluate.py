@@ -2,8 +2,10 @@
 
 Methods, all in one run on the same prompts: `target` (plain greedy, the speed baseline and the
 reference output), `eagle3` (our exported drafter), `eagle3-untrained` (same shape, random weights) and
-`prompt-lookup` (n-gram drafts copied from the context). Every speculative method must reproduce the
-target's greedy tokens exactly (lossless); a mismatch raises naming the prompt.
+`prompt-lookup` (n-gram drafts copied from the context). In fp32 every speculative method must reproduce the
+target's greedy tokens exactly (lossless); a mismatch raises naming the prompt. In bf16/fp16 a (k+1)-token
+verify may round differently from a one-token step at a near tie: the share of prompts that diverged and
+where is reported instead.
 
 Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
 prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
@@ -179,6 +181,18 @@ class DrafterProposer:
     @torch.inference_mode()
     def __call__(self, context: list[int], features: torch.Tensor, k: int) -> list[int]:
         """context = tokens x_0..x_n (x_n not yet seen by the target); features = f_0..f_{n-1}."""
+        drafts, _ = self.chain(context, features, k)
+        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
+        # (and, with other processes on the GPU, wait for a time slice each time).
+        return drafts.tolist()
+
+    @torch.inference_mode()
+    def chain(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft target ids [k] and the draft-vocab logits [k, K] they were chosen from.
+
+        Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
+        feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
+        (fed draft i) at position n-1+i."""
         n = features.shape[0]
         dtype = self.drafter.fc.weight.dtype
         new_tokens = torch.tensor([context[self.done + 1: n + 1]], device=self.device)
@@ -187,19 +201,18 @@ class DrafterProposer:
         logits, hidden, self.cache = self.drafter.decode(new_tokens, hidden, positions, self.cache)
         self.done = n
         real = self.cache
-        hidden = hidden[:, -1:]
-        token = self.drafter.draft_to_target(logits[0, -1].argmax())
-        drafts = [token]
-        for _ in range(k - 1):
-            # chain rows reuse the last real position, as in training-time test
-            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden,
-                                                             positions[:, -1:], self.cache)
-            token = self.drafter.draft_to_target(logits[0, -1].argmax())
+        hidden, logits = hidden[:, -1:], logits[0, -1]
+        token = self.drafter.draft_to_target(logits.argmax())
+        drafts, chain_logits = [token], [logits]
+        for step in range(1, k):
+            position = positions[:, -1:] + step
+            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden, position, self.cache)
+            logits = logits[0, -1]
+            token = self.drafter.draft_to_target(logits.argmax())
             drafts.append(token)
+            chain_logits.append(logits)
         self.cache = real  # chain rows are speculative; the next call appends the verified real rows
-        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
-        # (and, with other processes on the GPU, wait for a time slice each time).
-        return torch.stack(drafts).tolist()
+        return torch.stack(drafts), torch.stack(chain_logits)
 
 
 def prompt_lookup(max_ngram: int = 3) -> DraftFn:
@@ -278,28 +291,52 @@ def acceptance_by_position(traces: list[Trace], k: int) -> list[float]:
     return [float(a / r) if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
 
 
-def summarise(traces: list[Trace], baseline: list[Trace], k: int) -> dict[str, Any]:
+def summarise(traces: list[Trace], k: int) -> dict[str, Any]:
+    """The tau pass's figures: they count tokens and target forwards, so they do not depend on timing."""
     tokens = sum(len(t.tokens) for t in traces)
-    seconds = sum(t.total_seconds for t in traces)
-    base_rate = sum(len(t.tokens) for t in baseline) / max(sum(t.total_seconds for t in baseline), 1e-9)
     forwards = sum(t.target_forwards for t in traces)
     return {
         "prompts": len(traces), "tokens": tokens, "k": k,
         "tau": tokens / max(forwards, 1),
         "acceptance_by_position": acceptance_by_position(traces, k),
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "speedup_vs_target": tokens / max(seconds, 1e-9) / base_rate,
-        "draft_seconds": sum(t.draft_seconds for t in traces),
-        "verify_seconds": sum(t.verify_seconds for t in traces),
     }
 
 
+def timing_summary(traces: list[Trace], baseline: list[Trace]) -> dict[str, Any]:
+    """The timing pass's figures: tokens/s, speedup over target-only greedy on the same prompts, and the time
+    per verify step spent drafting and verifying (for `target`: per one-token forward)."""
+    tokens = sum(len(t.tokens) for t in traces)
+    rate = tokens / max(sum(t.total_seconds for t in traces), 1e-9)
+    base_rate = sum(len(t.tokens) for t in baseline) / max(sum(t.total_seconds for t in baseline), 1e-9)
+    steps = max(sum(t.target_forwards for t in traces), 1)
+    return {
+        "prompts": len(traces), "tokens": tokens, "tokens_per_s": rate, "speedup_vs_target": rate / base_rate,
+        "verify_steps": steps, "draft_ms_per_step": 1000 * sum(t.draft_seconds for t in traces) / steps,
+        "verify_ms_per_step": 1000 * sum(t.verify_seconds for t in traces) / steps,
+    }
+
+
+def first_divergence(trace: Trace, reference: Trace) -> int | None:
+    """Index of the first token where `trace` differs from the target's own greedy output, None if equal."""
+    if trace.tokens == reference.tokens:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(trace.tokens, reference.tokens, strict=False)) if a != b),
+                min(len(trace.tokens), len(reference.tokens)))
+
+
 def check_lossless(trace: Trace, reference: Trace) -> None:
-    if trace.tokens != reference.tokens:
-        at = next((i for i, (a, b) in enumerate(zip(trace.tokens, reference.tokens, strict=False)) if a != b),
-                  min(len(trace.tokens), len(reference.tokens)))
+    at = first_divergence(trace, reference)
+    if at is not None:
         raise LosslessViolation(f"prompt {trace.prompt_id}: {trace.method} output differs from the target's greedy "
                                 f"output at token {at}")
+
+
+def divergence(traces: list[Trace], reference: dict[str, Trace]) -> dict[str, Any]:
+    """Low precision: the share of prompts whose output left the target's greedy decode, and where. A (k+1)-token
+    verify and a one-token step may round differently at a near tie; the speculative run then goes on from its
+    own token (tau stays that run's own)."""
+    first = {t.prompt_id: at for t in traces if (at := first_divergence(t, reference[t.prompt_id])) is not None}
+    return {"diverged_share": len(first) / max(len(traces), 1), "first_divergence": first}
 
 
 def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, list[int]]]:
@@ -309,14 +346,28 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 
 def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None]) -> None:
+               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None], strict: bool = True) -> None:
     """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
-    ...) as soon as the prompt is done. Lossless is checked here.
+    ...) as soon as the prompt is done. With `strict` (fp32), lossless is checked here; in low precision
+    divergence is counted afterwards (`divergence`).
 
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    encoded = encode_prompts(tokenizer, prompts)
+    eos = end_of_sequence(tokenizer)
+    methods = method_table(drafters, ks)
+    progress = Progress(log, "prompts (all methods)", len(prompts))
+    for pid, ids in encode_prompts(tokenizer, prompts):
+        finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
+        on_prompt(finished)
+        progress.update(1, len(finished["target"].tokens))
+
+
+def end_of_sequence(tokenizer: Any) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def method_table(drafters: dict[str, Drafter], ks: list[int]) -> dict[str, tuple[DraftFn, int]]:
+    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", ...): each with its proposer and k."""
     methods: dict[str, tuple[DraftFn, int]] = {}
     for k in ks:
         methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
@@ -324,33 +375,61 @@ def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: 
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
             methods[f"{name}@k={k}"] = (DrafterProposer(drafter), k)
-    # Warm-up so the first timed prompt does not pay for lazy initialisation.
-    greedy(target, encoded[0][1], 4, eos, "warmup")
-    progress = Progress(log, "prompts (all methods)", len(encoded))
-    for pid, ids in encoded:
-        reference = greedy(target, ids, max_new, eos, pid)
-        finished = {"target": reference}
-        for method, (propose, k) in methods.items():
-            if isinstance(propose, DrafterProposer):
-                propose.reset()
-            finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, pid, method)
+    return methods
+
+
+def decode_prompt(target: Target, methods: dict[str, tuple[DraftFn, int]], prompt_id: str, ids: list[int],
+                  max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
+    """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`."""
+    reference = greedy(target, ids, max_new, eos, prompt_id)
+    finished = {"target": reference}
+    for method, (propose, k) in methods.items():
+        if isinstance(propose, DrafterProposer):
+            propose.reset()
+        finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
+        if strict:
             check_lossless(trace, reference)
-        on_prompt(finished)
-        progress.update(1, len(reference.tokens))
+    return finished
+
+
+def timing_pass(target: Target, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
+                ks: list[int], max_new: int, strict: bool, log: Any) -> dict[str, dict[str, Any]]:
+    """Speeds, per prompt set and method, measured in this one process (run it with nothing else of ours on the
+    device): every method on the same prompt back to back, after a warm-up run of every method that is not
+    counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
+    eos = end_of_sequence(tokenizer)
+    methods = method_table({"eagle3": drafter}, ks)
+    encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
+    warm_up_ids = next(iter(encoded.values()))[0][1]
+    decode_prompt(target, methods, "warm-up", warm_up_ids, min(max_new, 16), eos, strict)
+    results = {}
+    for name, prompts in encoded.items():
+        by_method: dict[str, list[Trace]] = {}
+        for pid, ids in prompts:
+            for method, trace in decode_prompt(target, methods, pid, ids, max_new, eos, strict).items():
+                by_method.setdefault(method, []).append(trace)
+        results[name] = {method: timing_summary(traces, by_method["target"]) for method, traces in by_method.items()}
+        for method, summary in results[name].items():
+            log.info("timing pass, %s, %s: %.1f tokens/s, speedup %.2fx, per verify step %.2f ms drafting + %.2f ms "
+                     "verifying", name, method, summary["tokens_per_s"], summary["speedup_vs_target"],
+                     summary["draft_ms_per_step"], summary["verify_ms_per_step"])
+    return results
 
 
 def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:
     reference = by_method["target"]
-    results: dict[str, Any] = {"target": {"tokens_per_s": sum(len(t.tokens) for t in reference)
-                                          / sum(t.total_seconds for t in reference), "prompts": len(reference)}}
+    reference_by_prompt = {t.prompt_id: t for t in reference}
+    results: dict[str, Any] = {"target": {"prompts": len(reference), "tokens": sum(len(t.tokens) for t in reference)}}
     for method, traces in by_method.items():
         if method == "target":
             continue
         k = int(method.rsplit("@k=", 1)[1])
-        results[method] = summary = summarise(traces, reference, k)
-        log.info("%s: tau %.3f, acceptance by position %s, %.1f tokens/s, speedup %.2fx", method, summary["tau"],
-                 [round(a, 3) for a in summary["acceptance_by_position"]], summary["tokens_per_s"],
-                 summary["speedup_vs_target"])
+        results[method] = summary = summarise(traces, k) | divergence(traces, reference_by_prompt)
+        log.info("%s: tau %.3f, acceptance by position %s; %d of %d prompts diverged from the target's greedy "
+                 "output%s", method, summary["tau"], [round(a, 3) for a in summary["acceptance_by_position"]],
+                 len(summary["first_divergence"]), len(traces),
+                 f" (first divergence at token, by prompt: {summary['first_divergence']})"
+                 if summary["first_divergence"] else "")
     return results
 
 
@@ -448,7 +527,7 @@ def _decode(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
             trust_remote_code: bool, progress: PromptProgress, log: Any) -> None:
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code)
     decode_all(target, tokenizer, prompts, drafters, settings["draft_lengths"], settings["max_new_tokens"], log,
-               on_prompt=progress.appender(prompts))
+               on_prompt=progress.appender(prompts), strict=settings["dtype"] == "float32")
 
 
 def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> None:
@@ -502,9 +581,31 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
             by_method.setdefault(method, []).append(trace)
     from .backends.hf import pick_device
 
-    return {"summary": summarise_methods(by_method, log), "workers": max(workers, 1),
-            "device": pick_device(settings["device"]),
+    return {"pass": "tau", "about": TAU_PASS_ABOUT, "summary": summarise_methods(by_method, log),
+            "workers": max(workers, 1), "device": pick_device(settings["device"]),
             "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
+
+
+TAU_PASS_ABOUT = ("tau pass: tau, acceptance by position and divergence from every prompt, decoded by parallel "
+                  "workers; its per-trace seconds are contended and not a speed measurement (speeds: the timing "
+                  "pass)")
+TIMING_PASS_ABOUT = ("timing pass: one process on the device after the tau pass, every method on the same prompts "
+                     "back to back, warm-up excluded; speeds only (tau: the tau pass)")
+
+
+def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[Prompt]], settings: dict[str, Any],
+               trust_remote_code: bool, log: Any) -> dict[str, Any]:
+    """The timing pass's results JSON: speeds by prompt set and method."""
+    from .backends.hf import pick_device
+
+    target, tokenizer, drafters = load_models(target_dir, serving_dir, settings | {"untrained_baseline": False},
+                                              trust_remote_code)
+    timing = settings["timing"]
+    sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], settings["draft_lengths"],
+                       timing["max_new_tokens"], settings["dtype"] == "float32", log)
+    return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings["device"]),
+            "dtype": settings["dtype"], "prompts_per_set": timing["prompts"],
+            "max_new_tokens": timing["max_new_tokens"], "sets": sets}
 
 
 if __name__ == "__main__":

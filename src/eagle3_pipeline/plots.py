@@ -32,14 +32,23 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
     plt.close(fig)
 
 
-def tau_table(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
+def tau_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any], out: Path) -> None:
+    """One row per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where the
+    timing pass did not run that method, e.g. the untrained baseline)."""
     with open(out, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["prompt_set", "method", "tau", "tokens_per_s", "speedup_vs_target", "prompts"])
+        writer.writerow(["prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
+                         "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)",
+                         "draft_ms_per_step (timing pass)", "verify_ms_per_step (timing pass)",
+                         "prompts (timing pass)"])
         for name, result in evaluations.items():
             for method, values in result["summary"].items():
-                writer.writerow([name, method, f"{values.get('tau', 1.0):.3f}", f"{values['tokens_per_s']:.1f}",
-                                 f"{values.get('speedup_vs_target', 1.0):.3f}", values["prompts"]])
+                speed = timing["sets"].get(name, {}).get(method)
+                speeds = ([f"{speed['tokens_per_s']:.1f}", f"{speed['speedup_vs_target']:.3f}",
+                           f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
+                          if speed else [""] * 5)
+                writer.writerow([name, method, f"{values.get('tau', 1.0):.3f}",
+                                 f"{values.get('diverged_share', 0):.3f}", values["prompts"], *speeds])
 
 
 def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:
