@@ -4,7 +4,12 @@ from functools import cache
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import workflow_config
 
-SETTINGS = workflow_config.check(config)
+
+def is_dry_run():
+    # workflow.dryrun is still False while the Snakefile is parsed; output_settings knows (internal API).
+    settings = getattr(workflow, "output_settings", None)
+    return bool(getattr(settings, "dryrun", False))
+
 
 RESULTS = f"{config['results_dir']}/{config['run']}"
 LOGS = f"logs/{config['run']}"
@@ -31,6 +36,14 @@ CONFIG_SNAPSHOT = f"{RESULTS}/train/config_snapshot.yaml"
 SERVING_DIR = f"{RESULTS}/serving/drafter"
 EVAL_RESULTS = f"{RESULTS}/evaluation/{{prompt_set}}.json"
 PLOTS = f"{RESULTS}/report"
+
+try:
+    SETTINGS = workflow_config.check(config, dry_run=is_dry_run(),
+                                     target_materialised=Path(TARGET_DIR, "identity.json").is_file())
+except workflow_config.ConfigError as exc:
+    sys.exit(f"Config error: {exc}")  # one line, no traceback
+for warning in SETTINGS.warnings:
+    print(f"WARNING: {warning}", file=sys.stderr)
 
 
 def prompt_set_name(entry):
@@ -68,12 +81,6 @@ def current_plan():
 def hidden_store_mb(wildcards):
     hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
     return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000) if hidden else 1
-
-
-def is_dry_run():
-    # workflow.dryrun is still False while the Snakefile is parsed; output_settings knows (internal API).
-    settings = getattr(workflow, "output_settings", None)
-    return bool(getattr(settings, "dryrun", False))
 
 
 if is_dry_run():
