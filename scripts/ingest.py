@@ -11,6 +11,7 @@ data = snakemake.params.data
 kept, report = conversations.ingest([Path(p) for p in snakemake.input])
 for line in report.summary_lines():
     log.info(line)
+conversations.check_systemic(report)
 shards, held_out = conversations.split(kept, data["num_shards"], data["eval_conversations"],
                                        data.get("train_conversations"), data["seed"])
 for shard, path in zip(shards, snakemake.output.shards, strict=True):

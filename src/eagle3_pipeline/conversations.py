@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .logs import ClearError
+
 ROLE_MAP = {
     "human": "user", "user": "user",
     "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
@@ -32,7 +34,7 @@ _UNDECODABLE_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class IngestError(ValueError):
+class IngestError(ClearError, ValueError):
     """A whole input cannot be read (not a single bad record)."""
 
 
@@ -358,6 +360,30 @@ def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
             kept.append(conversation)
     report.kept = len(kept)
     return kept, report
+
+
+RECORD_SHAPES = ("ShareGPT {conversations: [{from, value}]} or OpenAI {messages: [{role, content}]} records, "
+                 "one JSON object per line or a JSON array")
+INGEST_FIXES = {
+    "malformed_json": f"data.inputs must hold {RECORD_SHAPES}",
+    "malformed_record": f"data.inputs must hold {RECORD_SHAPES}",
+    "non_string_content": "turn contents must be strings or OpenAI content-part lists",
+    "invalid_utf8": "re-encode the input as UTF-8",
+    "unknown_role": f"roles must be one of {', '.join(sorted(ROLE_MAP))}",
+}
+
+
+def check_systemic(report: DropReport) -> None:
+    """Stop when most records were dropped for one reason: a wrong file or format, not a few bad records."""
+    from . import systemic
+
+    reason = max(report.dropped, key=report.dropped.get) if report.dropped else None
+    example = None
+    if reason and report.examples.get(reason):
+        first = report.examples[reason][0]
+        example = f"{first['file']} record {first['record']}: {first['reason']}"
+    systemic.check("ingest", "of data.inputs", report.read, report.kept, report.dropped, INGEST_FIXES,
+                   f"check data.inputs ({RECORD_SHAPES})", example)
 
 
 def split(conversations: list[dict[str, Any]], num_shards: int, eval_count: int, train_count: int | None,

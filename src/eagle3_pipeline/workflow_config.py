@@ -61,6 +61,7 @@ class Settings:
     data_inputs: list[str]
     target_source: str
     warnings: list[str]
+    chat_template_file: str | None = None
 
 
 def _looks_like_path(value: str) -> bool:
@@ -142,4 +143,25 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
         for key in ("aux_url", "final_url"):
             if not (extract.get("sglang") or {}).get(key):
                 raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
-    return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings)
+    return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
+                    chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def check_chat_template(setting: str | None) -> str | None:
+    """The template file to track as an input (None for a built-in name or no setting); it must parse."""
+    import jinja2
+
+    from .tokenization import BUILTIN_CHAT_TEMPLATES, chat_template_text
+
+    if setting is None:
+        return None
+    if setting not in BUILTIN_CHAT_TEMPLATES:
+        path = Path(setting).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"config key target.chat_template: {setting!r} is neither a file nor a built-in "
+                              f"template ({', '.join(BUILTIN_CHAT_TEMPLATES)})")
+    try:
+        jinja2.Environment().parse(chat_template_text(setting))
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"config key target.chat_template: {setting} line {exc.lineno}: {exc.message}") from exc
+    return None if setting in BUILTIN_CHAT_TEMPLATES else str(Path(setting).expanduser())
