@@ -66,16 +66,40 @@ wildcard_constraints:
 
 @cache
 def current_plan():
-    shape = disk_plan.target_shape(TARGET_DIR, SETTINGS.target_source)
+    target = config["target"]
+    where = (SETTINGS.target_source, target.get("gguf_file"), target.get("revision"))
+    dims = disk_plan.target_dims(TARGET_DIR, *where)
+    hidden_size, warnings = disk_plan.planned_hidden_size(dims, config["plan"].get("target_hidden_size"),
+                                                          target["source"])
+    prompt_sets = {prompt_set_name(e): None if e in ("held-out", "mtbench-package") else e
+                   for e in config["evaluate"]["prompts"]}
+    fixed = [
+        disk_plan.target_copy(TARGET_DIR, *where),
+        *disk_plan.drafter_stages(dims, config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
+                                  Path(DRAFTER_WEIGHTS), Path(SERVING_DIR)),
+        disk_plan.evaluation_stage(prompt_sets, {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},
+                                   config["evaluate"], config["data"]),
+    ]
+    warnings += [f"{item.stage}: size unknown, left out of the total" for item in fixed if item.total_bytes is None]
     return disk_plan.build(
         SHARDS,
         {"token_shard": TOKEN_SHARD, "conversation_shard": CONVERSATION_SHARD, "hidden_store": HIDDEN_STORE},
         [Path(p) for p in SETTINGS.data_inputs],
         config["data"],
-        shape[0] if shape else config["plan"].get("target_hidden_size"),
+        hidden_size,
         config["plan"]["expected_compression"],
         Path(config["results_dir"]),
+        fixed,
+        warnings,
     )
+
+
+def rules_to_run():
+    # The DAG exists when onstart runs (internal API): the preflight counts only the stages this run executes.
+    try:
+        return {job.rule.name for job in workflow.dag.needrun_jobs()}
+    except AttributeError:
+        return None
 
 
 def hidden_store_mb(wildcards):
@@ -89,8 +113,14 @@ if is_dry_run():
 
 onstart:
     plan_now = current_plan()
-    print("\n".join(plan_now.lines()), file=sys.stderr)
-    if not plan_now.fits and not config["plan"]["allow_exceeding_free_space"]:
+    rules_now = rules_to_run()
+    print("\n".join(plan_now.lines(rules_now)), file=sys.stderr)
+    if plan_now.blind_for(rules_now):
+        raise SystemExit(
+            "Refusing to start: extraction would write hidden states of unknown size (the target is not local). "
+            f"Set plan.target_hidden_size, or materialise the target first: snakemake {TARGET_DIR}"
+        )
+    if not plan_now.fits_for(rules_now) and not config["plan"]["allow_exceeding_free_space"]:
         raise SystemExit(
             "Refusing to start: the disk plan exceeds free space. Free space, lower data.train_conversations "
             "or data.max_seq_len, or set plan.allow_exceeding_free_space: true."

@@ -121,7 +121,8 @@ def iter_raw_records(path: Path, report: DropReport) -> Iterator[RawRecord]:
 
 def _iter_jsonl(path: Path, data: bytes, report: DropReport, offset: int = 0) -> Iterator[RawRecord]:
     info = report.files.setdefault(str(path), {"format": "jsonl", "records": 0, "truncated": False})
-    info["utf8_bom_stripped"] = offset > 0
+    if offset:
+        info["utf8_bom_stripped"] = True
     index = 0
     lines = data.split(b"\n")
     for line_number, line in enumerate(lines, start=1):
@@ -151,7 +152,8 @@ def _iter_jsonl(path: Path, data: bytes, report: DropReport, offset: int = 0) ->
 
 def _iter_json_array(path: Path, data: bytes, report: DropReport, bom: int = 0) -> Iterator[RawRecord]:
     info = report.files.setdefault(str(path), {"format": "json-array", "records": 0, "truncated": False})
-    info["utf8_bom_stripped"] = bom > 0
+    if bom:
+        info["utf8_bom_stripped"] = True
     # surrogateescape keeps undecodable bytes visible per record instead of failing the whole file.
     text = data.decode("utf-8", errors="surrogateescape")
     decoder = json.JSONDecoder()
