@@ -18,7 +18,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PY
 configfile: str(Path(workflow.basedir) / "config" / "config.yaml")
 
 
-validate(config, "config/schema.yaml")
+from eagle3_pipeline import workflow_config
+
+try:  # a few lines naming the key, instead of the whole schema and config
+    workflow_config.check_schema(config, Path(workflow.basedir) / "config" / "schema.yaml")
+except workflow_config.ConfigError as exc:
+    sys.exit(f"Config error: {exc}")
+validate(config, "config/schema.yaml")  # passes now; fills in the schema's defaults
 
 
 include: "rules/common.smk"

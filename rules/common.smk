@@ -5,7 +5,12 @@ from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import workflow_config
 
-SETTINGS = workflow_config.check(config)
+
+def is_dry_run():
+    # workflow.dryrun is still False while the Snakefile is parsed; output_settings knows (internal API).
+    settings = getattr(workflow, "output_settings", None)
+    return bool(getattr(settings, "dryrun", False))
+
 
 RESULTS = f"{config['results_dir']}/{config['run']}"
 LOGS = f"logs/{config['run']}"
@@ -33,6 +38,14 @@ CONFIG_SNAPSHOT = f"{RESULTS}/train/config_snapshot.yaml"
 SERVING_DIR = f"{RESULTS}/serving/drafter"
 EVAL_RESULTS = f"{RESULTS}/evaluation/{{prompt_set}}.json"
 PLOTS = f"{RESULTS}/report"
+
+try:
+    SETTINGS = workflow_config.check(config, dry_run=is_dry_run(),
+                                     target_materialised=Path(TARGET_DIR, "identity.json").is_file())
+except workflow_config.ConfigError as exc:
+    sys.exit(f"Config error: {exc}")  # one line, no traceback
+for warning in SETTINGS.warnings:
+    print(f"WARNING: {warning}", file=sys.stderr)
 
 
 def tokenize_input(wildcards):
@@ -65,16 +78,40 @@ wildcard_constraints:
 
 @cache
 def current_plan():
-    shape = disk_plan.target_shape(TARGET_DIR, SETTINGS.target_source)
+    target = config["target"]
+    where = (SETTINGS.target_source, target.get("gguf_file"), target.get("revision"))
+    dims = disk_plan.target_dims(TARGET_DIR, *where)
+    hidden_size, warnings = disk_plan.planned_hidden_size(dims, config["plan"].get("target_hidden_size"),
+                                                          target["source"])
+    prompt_sets = {prompt_set_name(e): None if e in ("held-out", "mtbench-package") else e
+                   for e in config["evaluate"]["prompts"]}
+    fixed = [
+        disk_plan.target_copy(TARGET_DIR, *where),
+        *disk_plan.drafter_stages(dims, config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
+                                  Path(DRAFTER_WEIGHTS), Path(SERVING_DIR)),
+        disk_plan.evaluation_stage(prompt_sets, {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},
+                                   config["evaluate"], config["data"]),
+    ]
+    warnings += [f"{item.stage}: size unknown, left out of the total" for item in fixed if item.total_bytes is None]
     return disk_plan.build(
         SHARDS,
         {"token_shard": TOKEN_SHARD, "conversation_shard": CONVERSATION_SHARD, "hidden_store": HIDDEN_STORE},
         [Path(p) for p in SETTINGS.data_inputs],
         config["data"],
-        shape[0] if shape else config["plan"].get("target_hidden_size"),
+        hidden_size,
         config["plan"]["expected_compression"],
         Path(config["results_dir"]),
+        fixed,
+        warnings,
     )
+
+
+def rules_to_run():
+    # The DAG exists when onstart runs (internal API): the preflight counts only the stages this run executes.
+    try:
+        return {job.rule.name for job in workflow.dag.needrun_jobs()}
+    except AttributeError:
+        return None
 
 
 def hidden_store_mb(wildcards):
@@ -84,20 +121,20 @@ def hidden_store_mb(wildcards):
     return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000)
 
 
-def is_dry_run():
-    # workflow.dryrun is still False while the Snakefile is parsed; output_settings knows (internal API).
-    settings = getattr(workflow, "output_settings", None)
-    return bool(getattr(settings, "dryrun", False))
-
-
 if is_dry_run():
     print("\n".join(current_plan().lines()), file=sys.stderr)
 
 
 onstart:
     plan_now = current_plan()
-    print("\n".join(plan_now.lines()), file=sys.stderr)
-    if not plan_now.fits and not config["plan"]["allow_exceeding_free_space"]:
+    rules_now = rules_to_run()
+    print("\n".join(plan_now.lines(rules_now)), file=sys.stderr)
+    if plan_now.blind_for(rules_now):
+        raise SystemExit(
+            "Refusing to start: extraction would write hidden states of unknown size (the target is not local). "
+            f"Set plan.target_hidden_size, or materialise the target first: snakemake {TARGET_DIR}"
+        )
+    if not plan_now.fits_for(rules_now) and not config["plan"]["allow_exceeding_free_space"]:
         raise SystemExit(
             "Refusing to start: the disk plan exceeds free space. Free space, lower data.train_conversations "
             "or data.max_seq_len, or set plan.allow_exceeding_free_space: true."

@@ -2,6 +2,8 @@
 
 
 rule target:
+    input:
+        [SETTINGS.chat_template_file] if SETTINGS.chat_template_file else [],
     output:
         directory(TARGET_DIR),
     params:
@@ -9,6 +11,7 @@ rule target:
         gguf_file=config["target"].get("gguf_file"),
         revision=config["target"].get("revision"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
+        chat_template=config["target"].get("chat_template"),
     conda:
         "../envs/pipeline.yaml"
     log:

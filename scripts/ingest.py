@@ -11,6 +11,7 @@ data = snakemake.params.data
 kept, report = conversations.ingest([Path(p) for p in snakemake.input])
 for line in report.summary_lines():
     log.info(line)
+conversations.check_systemic(report)
 weights = None
 if data.get("weights"):  # by source file name: normalized conversations record the file they came from
     weights = {Path(p).name: w for p, w in zip(snakemake.input, data["weights"], strict=True)}

@@ -129,3 +129,59 @@ def test_jsonl_round_trip_is_atomic(tmp_path):
     conversations.write_jsonl(data, path)
     assert conversations.read_jsonl(path) == data
     assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_lone_surrogates_are_replaced_and_counted_not_fatal(tmp_path):
+    good = tiny_conversations(2)
+    lone = '{"id": "sur\\udc80", "conversations": [{"from": "human", "value": "hi \\ud800 there"}, ' \
+           '{"from": "gpt", "value": "ok \\udfff"}]}'
+    path = tmp_path / "surrogates.jsonl"
+    path.write_text("\n".join([json.dumps(good[0]), lone, json.dumps(good[1])]) + "\n")
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == ["conv0", "sur\ufffd", "conv1"]
+    assert [m["content"] for m in kept[1]["messages"]] == ["hi \ufffd there", "ok \ufffd"]
+    assert report.modified == {"lone_surrogates_replaced": 1} and not report.dropped
+    conversations.write_jsonl(kept, tmp_path / "out.jsonl")  # writes as UTF-8 now
+    assert conversations.read_jsonl(tmp_path / "out.jsonl") == kept
+
+
+def test_escaped_surrogate_in_an_array_is_replaced_while_raw_bad_bytes_still_drop(tmp_path):
+    records = tiny_conversations(3)
+    records[0]["conversations"][0]["value"] = "escaped \udc80"  # json.dumps writes it as \udc80
+    text = json.dumps(records, indent=2).encode().replace(b"number 1?", b"number \xff1?")
+    kept, report = ingest([_write(tmp_path, text)])
+    assert [c["id"] for c in kept] == ["conv0", "conv2"]
+    assert report.dropped == {"invalid_utf8": 1} and report.modified == {"lone_surrogates_replaced": 1}
+
+
+def _write(tmp_path, data: bytes):
+    path = tmp_path / "data.json"
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("shape", ["jsonl", "array"])
+def test_a_utf8_bom_is_stripped_and_noted_and_every_record_kept(tmp_path, shape):
+    records = tiny_conversations(4)
+    body = ("\n".join(json.dumps(r) for r in records) + "\n") if shape == "jsonl" else json.dumps(records, indent=2)
+    path = tmp_path / f"bom.{shape}"
+    path.write_bytes(conversations.UTF8_BOM + body.encode())
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == [r["id"] for r in records] and not report.dropped
+    assert report.modified == {"utf8_bom_stripped": 1} and report.files[str(path)]["utf8_bom_stripped"]
+
+
+def test_openai_content_parts_are_joined_and_non_text_parts_counted(tmp_path):
+    record = {"id": "parts", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look at this"},
+                                     {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                                     {"type": "text", "text": "and describe it."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    broken = {"id": "broken", "messages": [{"role": "user", "content": [42]}, {"role": "assistant", "content": "x"}]}
+    path = tmp_path / "parts.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps(broken) + "\n")
+    kept, report = ingest([path])
+    assert [m["content"] for m in kept[0]["messages"]] == ["Look at this\nand describe it.", "A cat."]
+    assert report.modified == {"content_parts_joined": 2, "non_text_content_parts_dropped": 1}
+    assert report.dropped == {"malformed_record": 1}
+    assert "image_url" in report.examples["non_text_content_parts_dropped"][0]["reason"]

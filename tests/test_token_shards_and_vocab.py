@@ -72,3 +72,33 @@ def test_draft_vocab_counts_only_masked_tokens():
     assert draft.draft_ids.tolist() == [7, 9]
     with pytest.raises(ValueError):
         vocab.select(np.zeros(10, dtype=np.int64), 11)
+
+
+def test_systemic_failures_stop_the_job_and_a_few_bad_records_do_not():
+    from eagle3_pipeline import systemic
+
+    fixes = {"dropped_template_error": "set target.chat_template"}
+    systemic.check("tokenize", "s", 100, 96, {"dropped_template_error": 4}, fixes, "x")  # a few: counted
+    systemic.check("tokenize", "s", 8, 4, {"dropped_template_error": 4}, fixes, "x")  # half of a handful
+    with pytest.raises(systemic.SystemicFailure, match=r"60 of 100 records failed with dropped_template_error"
+                                                       r".*Fix: set target.chat_template"):
+        systemic.check("tokenize", "s", 100, 40, {"dropped_template_error": 60, "dropped_overlength": 0}, fixes, "x")
+    with pytest.raises(systemic.SystemicFailure, match="3 of 3 .*nothing is left"):
+        systemic.check("tokenize", "s", 3, 0, {"dropped_template_error": 3}, fixes, "x")
+
+
+def test_vocab_refuses_shards_without_assistant_tokens(tmp_path, target_dir):
+    from eagle3_pipeline import data_stage
+    from eagle3_pipeline.logs import ClearError
+
+    rng = np.random.default_rng(0)
+    data = sequences(rng)
+    for s in data:
+        s.loss_mask[:] = 0
+    token_shards.write(tmp_path / "shard-00000.zarr", data, {})
+    import logging
+
+    with pytest.raises(ClearError, match="no assistant tokens"):
+        data_stage.build_vocab([tmp_path / "shard-00000.zarr"], target_dir, 100, tmp_path / "v.safetensors",
+                               logging.getLogger("test"))
+    assert not (tmp_path / "v.safetensors").exists()

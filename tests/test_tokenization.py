@@ -95,3 +95,36 @@ def test_template_that_rewrites_history_is_rejected(smollm2_tokenizer):
             tokenize_conversation(tokenizer, CONVERSATION, "<|im_end|>", 4096, "truncate")
     finally:
         tokenizer.chat_template = original
+
+
+def test_a_giant_record_is_cut_before_tokenizing_and_keeps_the_same_tokens(smollm2_tokenizer):
+    import random
+
+    from eagle3_pipeline.tokenization import character_bound, cut_to_characters
+
+    words = ["river", "stone", "quietly", "42", "naïve", "über", "\n\n", "(see below)", "tokens,"]
+    rng = random.Random(0)
+    giant_reply = " ".join(rng.choice(words) for _ in range(60_000))  # ~400k characters
+    giant = {"id": "giant", "messages": [{"role": "user", "content": "Tell me everything."},
+                                         {"role": "assistant", "content": giant_reply}]}
+    bound = character_bound(smollm2_tokenizer, 64)
+    cut = cut_to_characters(giant, bound)
+    assert cut is not None and sum(len(m["content"]) for m in cut["messages"]) == bound < len(giant_reply)
+    full = tokenize_conversation(smollm2_tokenizer, giant, "<|im_end|>", 64, "truncate")
+    short = tokenize_conversation(smollm2_tokenizer, cut, "<|im_end|>", 64, "truncate")
+    assert np.array_equal(full.input_ids, short.input_ids) and np.array_equal(full.loss_mask, short.loss_mask)
+    assert full.truncated and len(full.input_ids) == 64
+    assert cut_to_characters(CONVERSATION, bound) is None  # normal records are never touched
+
+
+def test_the_builtin_chatml_template_serves_a_tokenizer_without_one(target_dir):
+    from eagle3_pipeline.tokenization import chat_template_text
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer.chat_template = None
+    with pytest.raises(TemplateError, match="chat template failed"):
+        tokenize_conversation(tokenizer, CONVERSATION, "<|im_end|>", 4096, "truncate")
+    tokenizer.chat_template = chat_template_text("chatml")
+    result = tokenize_conversation(tokenizer, CONVERSATION, "<|im_end|>", 4096, "truncate")
+    assert [tokenizer.decode(run) for run in masked_runs(result.input_ids, result.loss_mask)] == [
+        "It is 4. Anything else?<|im_end|>", "Blue, like the sky.\n\nAnd the sea.<|im_end|>"]

@@ -13,11 +13,14 @@ import gzip
 import json
 import os
 import random
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .logs import ClearError
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -26,9 +29,13 @@ ROLE_MAP = {
     "system": "system",
 }
 EXAMPLES_PER_REASON = 5
+UTF8_BOM = b"\xef\xbb\xbf"
+TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI chat / responses content parts
+_UNDECODABLE_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of invalid UTF-8 bytes
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class IngestError(ValueError):
+class IngestError(ClearError, ValueError):
     """A whole input cannot be read (not a single bad record)."""
 
 
@@ -90,6 +97,7 @@ class RawRecord:
     value: Any = None
     error: str | None = None  # set when the record could not be decoded at all
     reason: str = "malformed_json"
+    undecodable_bytes: bool = False  # the raw record holds bytes that are not UTF-8 (JSON arrays only)
 
 
 # ---------------------------------------------------------------- reading raw records
@@ -98,20 +106,25 @@ def iter_raw_records(path: Path, report: DropReport) -> Iterator[RawRecord]:
     """Yield records from a JSON array or JSONL file (gzip-compressed when named *.gz), recovering from
     truncation and bad lines."""
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    if bom:  # editors on Windows write one; JSON forbids it, so it is dropped (and noted) rather than fatal
+        data = data[bom:]
+        report.modify("utf8_bom_stripped", str(path), 0, "the file starts with a UTF-8 byte order mark")
     head = data.lstrip()[:1]
     if head == b"[":
-        yield from _iter_json_array(path, data, report)
+        yield from _iter_json_array(path, data, report, bom)
     elif head == b"{":
-        yield from _iter_jsonl(path, data, report)
+        yield from _iter_jsonl(path, data, report, bom)
     elif not head:
         raise IngestError(f"{path}: file is empty")
     else:
         raise IngestError(f"{path}: neither a JSON array nor JSON lines (starts with {head!r})")
 
 
-def _iter_jsonl(path: Path, data: bytes, report: DropReport) -> Iterator[RawRecord]:
+def _iter_jsonl(path: Path, data: bytes, report: DropReport, offset: int = 0) -> Iterator[RawRecord]:
     info = report.files.setdefault(str(path), {"format": "jsonl", "records": 0, "truncated": False})
-    offset = 0
+    if offset:
+        info["utf8_bom_stripped"] = True
     index = 0
     lines = data.split(b"\n")
     for line_number, line in enumerate(lines, start=1):
@@ -139,14 +152,16 @@ def _iter_jsonl(path: Path, data: bytes, report: DropReport) -> Iterator[RawReco
         yield record
 
 
-def _iter_json_array(path: Path, data: bytes, report: DropReport) -> Iterator[RawRecord]:
+def _iter_json_array(path: Path, data: bytes, report: DropReport, bom: int = 0) -> Iterator[RawRecord]:
     info = report.files.setdefault(str(path), {"format": "json-array", "records": 0, "truncated": False})
+    if bom:
+        info["utf8_bom_stripped"] = True
     # surrogateescape keeps undecodable bytes visible per record instead of failing the whole file.
     text = data.decode("utf-8", errors="surrogateescape")
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
     record_prefix = _record_prefix(text, position)
-    offsets = _ByteOffsets(text)
+    offsets = _ByteOffsets(text, bom)
     index = 0
     while True:
         position = _skip_whitespace(text, position)
@@ -161,7 +176,9 @@ def _iter_json_array(path: Path, data: bytes, report: DropReport) -> Iterator[Ra
         record = RawRecord(str(path), index, offsets.at(position))
         index += 1
         try:
+            start = position
             record.value, position = decoder.raw_decode(text, position)
+            record.undecodable_bytes = _UNDECODABLE_BYTE.search(text, start, position) is not None
             info["records"] += 1
             yield record
             continue
@@ -180,8 +197,8 @@ def _iter_json_array(path: Path, data: bytes, report: DropReport) -> Iterator[Ra
 class _ByteOffsets:
     """Character position -> byte offset for increasing positions, in linear total time."""
 
-    def __init__(self, text: str):
-        self.text, self.char, self.byte = text, 0, 0
+    def __init__(self, text: str, first_byte: int = 0):
+        self.text, self.char, self.byte = text, 0, first_byte
 
     def at(self, position: int) -> int:
         self.byte += len(self.text[self.char:position].encode("utf-8", errors="surrogateescape"))
@@ -205,7 +222,12 @@ def _skip_whitespace(text: str, position: int) -> int:
 # ---------------------------------------------------------------- normalising one record
 
 def _has_surrogates(value: str) -> bool:
-    return any("\udc80" <= ch <= "\udcff" for ch in value)
+    return _UNDECODABLE_BYTE.search(value) is not None
+
+
+def _replace_lone_surrogates(value: str) -> tuple[str, int]:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"); such a string cannot be written as UTF-8."""
+    return _SURROGATE.subn("\ufffd", value)
 
 
 def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | None:
@@ -233,12 +255,16 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
         return None
     messages = []
     for turn_index, turn in enumerate(turns):
-        message, problem = _normalize_turn(turn)
+        message, problem = _normalize_turn(turn, record.undecodable_bytes, report, where, turn_index)
         if problem:
             reason, detail = problem
             report.drop(reason, *where, f"turn {turn_index}: {detail}", record.offset)
             return None
         messages.append(message)
+    replaced = 0
+    for message in messages:
+        message["content"], count = _replace_lone_surrogates(message["content"])
+        replaced += count
     messages = _trim(messages, report, *where)
     roles = {m["role"] for m in messages}
     if "assistant" not in roles:
@@ -249,6 +275,10 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
         return None
     record_id = value.get("id")
     record_id = str(record_id) if record_id not in (None, "") else f"{Path(record.source).name}:{record.index}"
+    record_id, count = _replace_lone_surrogates(record_id)
+    replaced += count
+    if replaced:
+        report.modify("lone_surrogates_replaced", *where, f"{replaced} lone UTF-16 surrogate(s) -> U+FFFD")
     return {"id": record_id, "source": Path(record.source).name, "messages": messages}
 
 
@@ -268,7 +298,8 @@ def task_turns(value: dict[str, Any]) -> list[dict[str, str]] | None:
     return None
 
 
-def _normalize_turn(turn: Any) -> tuple[dict[str, str] | None, tuple[str, str] | None]:
+def _normalize_turn(turn: Any, undecodable_bytes: bool, report: DropReport, where: tuple[str, int],
+                    turn_index: int) -> tuple[dict[str, str] | None, tuple[str, str] | None]:
     if not isinstance(turn, dict):
         return None, ("malformed_record", f"turn is a {type(turn).__name__}, not an object")
     raw_role = turn.get("from", turn.get("role"))
@@ -278,11 +309,35 @@ def _normalize_turn(turn: Any) -> tuple[dict[str, str] | None, tuple[str, str] |
     role = ROLE_MAP.get(raw_role.strip().lower())
     if role is None:
         return None, ("unknown_role", f"unknown role {raw_role!r}")
+    if isinstance(content, list):
+        content, problem = _join_content_parts(content, report, where, turn_index)
+        if problem:
+            return None, problem
     if not isinstance(content, str):
         return None, ("non_string_content", f"content is {type(content).__name__}, not a string")
-    if _has_surrogates(content):
+    if undecodable_bytes and _has_surrogates(content):
         return None, ("invalid_utf8", "content holds bytes that are not valid UTF-8")
     return {"role": role, "content": content}, None
+
+
+def _join_content_parts(parts: list[Any], report: DropReport, where: tuple[str, int], turn_index: int
+                        ) -> tuple[str, tuple[str, str] | None]:
+    """OpenAI content parts: the text parts joined by newlines (as vLLM does); others counted and dropped."""
+    texts, dropped = [], Counter()
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(part, dict) and isinstance(part.get("type"), str):
+            dropped[part["type"]] += 1
+        else:
+            return "", ("malformed_record", "a content part is neither a string nor an object with a 'type'")
+    report.modify("content_parts_joined", *where, f"turn {turn_index}: {len(texts)} text part(s)")
+    if dropped:
+        report.modify("non_text_content_parts_dropped", *where,
+                      f"turn {turn_index}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(dropped.items())))
+    return "\n".join(texts), None
 
 
 def _trim(messages: list[dict[str, str]], report: DropReport, source: str, index: int) -> list[dict[str, str]]:
@@ -327,6 +382,30 @@ def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
             kept.append(conversation)
     report.kept = len(kept)
     return kept, report
+
+
+RECORD_SHAPES = ("ShareGPT {conversations: [{from, value}]}, OpenAI {messages: [{role, content}]} or task/solution "
+                 "(CodeI/O, Alpaca) records, one JSON object per line or a JSON array")
+INGEST_FIXES = {
+    "malformed_json": f"data.inputs must hold {RECORD_SHAPES}",
+    "malformed_record": f"data.inputs must hold {RECORD_SHAPES}",
+    "non_string_content": "turn contents must be strings or OpenAI content-part lists",
+    "invalid_utf8": "re-encode the input as UTF-8",
+    "unknown_role": f"roles must be one of {', '.join(sorted(ROLE_MAP))}",
+}
+
+
+def check_systemic(report: DropReport) -> None:
+    """Stop when most records were dropped for one reason: a wrong file or format, not a few bad records."""
+    from . import systemic
+
+    reason = max(report.dropped, key=report.dropped.get) if report.dropped else None
+    example = None
+    if reason and report.examples.get(reason):
+        first = report.examples[reason][0]
+        example = f"{first['file']} record {first['record']}: {first['reason']}"
+    systemic.check("ingest", "of data.inputs", report.read, report.kept, report.dropped, INGEST_FIXES,
+                   f"check data.inputs ({RECORD_SHAPES})", example)
 
 
 Conversations = list[dict[str, Any]]

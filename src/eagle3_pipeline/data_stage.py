@@ -9,24 +9,49 @@ from typing import Any
 
 import numpy as np
 
-from . import target, token_shards, vocab
-from .logs import Progress
-from .tokenization import TemplateError, end_of_turn_marker, template_hash, tokenize_conversation
+from . import systemic, target, token_shards, vocab
+from .logs import ClearError, Progress
+from .tokenization import (
+    TemplateError,
+    character_bound,
+    cut_to_characters,
+    end_of_turn_marker,
+    template_hash,
+    tokenize_conversation,
+)
+
+TOKENIZE_FIXES = {
+    "dropped_template_error": "set target.chat_template (a Jinja template file, or a built-in name: chatml)",
+    "dropped_overlength": "raise data.max_seq_len, or set data.overlength: truncate",
+    "dropped_no_loss_tokens": "raise data.max_seq_len (truncation cut every assistant token)",
+}
 
 
 def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_dir: Path, output: Path,
                    max_seq_len: int, overlength: str, end_of_turn: str | None, source_name: str,
                    log: logging.Logger) -> dict[str, Any]:
     marker = end_of_turn_marker(tokenizer, end_of_turn)
+    bound = character_bound(tokenizer, max_seq_len)
     counts: Counter = Counter()
     sequences = []
+    first_template_error = None
     progress = Progress(log, "tokenize", len(conversations))
     for index, conversation in enumerate(conversations):
+        cut = cut_to_characters(conversation, bound)
+        if cut is not None:  # surely over max_seq_len: decided without tokenizing megabytes
+            if overlength == "drop":
+                counts["dropped_overlength"] += 1
+                progress.update(1)
+                continue
+            counts["cut_before_tokenizing"] += 1
+            conversation = cut
         try:
             tokenized = tokenize_conversation(tokenizer, conversation, marker, max_seq_len, overlength)
         except TemplateError as exc:
             counts["dropped_template_error"] += 1
-            log.warning("%s record %d (id %s): dropped: %s", source_name, index, conversation["id"], exc)
+            first_template_error = first_template_error or f"record {index}: {exc}"
+            if counts["dropped_template_error"] <= 5:
+                log.warning("%s record %d (id %s): dropped: %s", source_name, index, conversation["id"], exc)
             continue
         if tokenized is None:
             counts["dropped_overlength"] += 1
@@ -37,6 +62,11 @@ def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_d
             sequences.append(tokenized)
         progress.update(1, len(tokenized.input_ids) if tokenized else 0)
     progress.finish()
+    failures = {key: counts[key] for key in TOKENIZE_FIXES}
+    if not getattr(tokenizer, "chat_template", None):
+        first_template_error = "the target's tokenizer has no chat template"
+    systemic.check("tokenize", source_name, len(conversations), len(sequences), failures, TOKENIZE_FIXES,
+                   "see the warnings above", first_template_error if failures["dropped_template_error"] else None)
     attrs = {
         "template_hash": template_hash(tokenizer),
         "target_hash": target.read_identity(target_dir)["content_hash"],
@@ -63,6 +93,10 @@ def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int
         counts += vocab.count_tokens(shard.input_ids, shard.loss_mask, vocab_size)
         per_shard[path.name] = {key: shard.attrs[key] for key in ("num_sequences", "num_tokens",
                                                                   "num_loss_tokens")}
+    if not counts.any():
+        raise ClearError(f"vocab: the token shards hold no assistant tokens ({len(shard_paths)} shards); "
+                         f"see the tokenize logs (an end-of-turn or template problem: data.end_of_turn, "
+                         f"target.chat_template)")
     draft = vocab.select(counts, min(draft_vocab_size, vocab_size))
     vocab.save(draft, output)
     distinct = int((counts > 0).sum())

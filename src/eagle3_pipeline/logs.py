@@ -8,6 +8,10 @@ import time
 from pathlib import Path
 
 
+class ClearError(Exception):
+    """An expected failure whose message names the cause and the fix: logged as one line, no traceback."""
+
+
 def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = False) -> logging.Logger:
     """Log to the Snakemake `log:` file and to stderr; route Python warnings there too.
     `append` is for worker processes writing into their parent's log."""
@@ -24,6 +28,9 @@ def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = Fals
     logger = logging.getLogger(name)
 
     def log_uncaught(kind, value, traceback):  # the traceback belongs in the job's log, not only on the console
+        if issubclass(kind, ClearError):  # its message names the cause and the fix; a traceback adds noise
+            logger.critical("%s", value)
+            return
         logger.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, traceback))
 
     sys.excepthook = log_uncaught

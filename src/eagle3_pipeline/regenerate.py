@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import conversations as conversation_io
-from . import journal
+from . import journal, systemic
 from .logs import Progress
 from .tokenization import TemplateError, render
 
@@ -398,6 +398,15 @@ def fingerprint(conversation_file: Path, settings: Settings, target_identity: st
     return digest.hexdigest()[:24]
 
 
+REGENERATE_FIXES = {
+    "dropped_template_error": "set target.chat_template (a Jinja template file, or a built-in name: chatml)",
+    "dropped_rejected_by_engine": "check regenerate.server.model and the server's limits (the log shows the "
+                                  "first rejection)",
+    "dropped_no_reply": "raise regenerate.max_context_tokens (the first turn does not fit) or "
+                        "regenerate.max_new_tokens (empty replies)",
+}
+
+
 def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings: Settings, log: logging.Logger,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """The `regenerate` rule: one conversation shard in, one regenerated shard out (atomic)."""
@@ -424,6 +433,8 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
     kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,
                                             fingerprint(conversation_file, settings, identity), log, pool_size)
     warn_if_repetitive(counts, settings, log)
+    systemic.check("regenerate", str(conversation_file), len(source), len(kept),
+                   {key: counts[key] for key in REGENERATE_FIXES}, REGENERATE_FIXES, "see the warnings above")
     conversation_io.write_jsonl(kept, output)
     progress_path.unlink()
     summary = {"conversations_in": len(source), **{key: int(value) for key, value in sorted(counts.items())}}

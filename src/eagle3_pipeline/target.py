@@ -18,6 +18,7 @@ from . import assets, zarr_io
 
 log = logging.getLogger(__name__)
 IDENTITY_FILE = "identity.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 COPIED_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 
 
@@ -31,7 +32,7 @@ def _gguf_kwargs() -> dict[str, Any]:
 
 
 def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revision: str | None = None,
-                trust_remote_code: bool = False) -> dict[str, Any]:
+                trust_remote_code: bool = False, chat_template: str | None = None) -> dict[str, Any]:
     """Write the HF directory for `source` into `out_dir` atomically; return its identity record."""
     partial = zarr_io.start_partial(out_dir)
     source_path = assets.resolve(source)
@@ -45,13 +46,27 @@ def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revisi
     else:
         _save_from_hub(source, partial, revision, trust_remote_code)
         described = {"kind": "hub-id", "id": source, "revision": revision}
+    if chat_template:
+        install_chat_template(partial, chat_template)
     identity = {"source": described, "alias": source if assets.is_alias(source) else None,
+                "chat_template": chat_template,
                 "content_hash": directory_hash(partial), **library_versions()}
     (partial / IDENTITY_FILE).write_text(json.dumps(identity, indent=2))
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a rerun of this rule replaces its own output only
     zarr_io.commit(partial, out_dir)
     return identity
+
+
+def install_chat_template(directory: Path, setting: str) -> None:
+    """Write `target.chat_template` as the directory's chat_template.jinja, which transformers prefers over
+    tokenizer_config.json's; every stage loads the tokenizer from here, so all render the same way."""
+    from .tokenization import chat_template_text
+
+    destination = directory / CHAT_TEMPLATE_FILE
+    destination.unlink(missing_ok=True)  # a new file: never write through a link into the source's copy
+    destination.write_text(chat_template_text(setting), encoding="utf-8")
+    log.info("chat template: %s", setting)
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

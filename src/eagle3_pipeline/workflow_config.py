@@ -5,21 +5,63 @@ Errors name the config key, so a bad config fails before any job runs.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import assets
+
+# PyYAML follows YAML 1.1: an exponent without a dot ("3e-4") is a string, not a number.
+_YAML_EXPONENT = re.compile(r"^[+-]?\d+[eE][+-]?\d+$")
+HUB_LOOKUP_TIMEOUT_S = 5.0
 
 
 class ConfigError(ValueError):
     pass
 
 
+def check_schema(config: dict[str, Any], schema_path: Path) -> None:
+    """Validate against the JSON schema; raise one short ConfigError naming the key (not the whole schema)."""
+    import jsonschema
+
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config),
+                    key=lambda e: (list(e.absolute_path), e.validator))
+    if not errors:
+        return
+    problems = [_describe(error) for error in errors[:3]]
+    more = f"\n({len(errors) - 3} more problems)" if len(errors) > 3 else ""
+    raise ConfigError("\n".join(problems) + more)
+
+
+def _describe(error: Any) -> str:
+    key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties") or {})
+        unknown = sorted(set(error.instance) - set(allowed))
+        where = f"{key}." if error.absolute_path else ""
+        return (f"config key {where}{unknown[0] if len(unknown) == 1 else unknown}: unknown key "
+                f"(allowed here: {', '.join(allowed)})")
+    if error.validator == "required":
+        return f"config key {key}: {error.message}"
+    message = f"config key {key}: {error.message[:300]}"
+    if isinstance(error.instance, str) and _YAML_EXPONENT.match(error.instance.strip()):
+        mantissa, exponent = re.split("[eE]", error.instance.strip())
+        message += (f"; YAML reads {error.instance} as a string - write {mantissa}.0e{exponent} "
+                    f"(with a dot) for a number")
+    return message
+
+
 @dataclass
 class Settings:
     data_inputs: list[str]
     target_source: str
+    warnings: list[str]
+    chat_template_file: str | None = None
 
 
 def _looks_like_path(value: str) -> bool:
@@ -27,28 +69,68 @@ def _looks_like_path(value: str) -> bool:
         or value.count("/") != 1
 
 
-def resolve_input(key: str, value: str) -> str:
+def resolve_input(key: str, value: str, must_be_file: bool = False) -> str:
     try:
         path = assets.resolve(value)
     except assets.MissingAsset as exc:
         raise ConfigError(f"config key {key}: {exc}") from exc
     if not path.exists():
         raise ConfigError(f"config key {key}: {value!r} does not exist")
+    if must_be_file and not path.is_file():
+        raise ConfigError(f"config key {key}: {value!r} is a directory, not a JSON/JSONL file; "
+                          f"list the files in it instead")
     return str(path)
 
 
-def check(config: dict[str, Any]) -> Settings:
-    target = config["target"]
+def hub_id_problem(model_id: str, revision: str | None) -> tuple[str, bool] | None:
+    """Why `model_id` cannot serve as a hub id, and whether that is certain; None when it can.
+
+    The local HF cache answers first; the hub is asked once, with a short timeout, only when
+    HF_HUB_OFFLINE is unset (transformers would otherwise retry for about a minute in the target job)."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json", revision=revision), str):
+        return None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no", "off"):
+        return "not a local path and not in the local Hugging Face cache (HF_HUB_OFFLINE is set)", False
+    try:
+        model_info(model_id, revision=revision, timeout=HUB_LOOKUP_TIMEOUT_S)
+    except GatedRepoError:
+        return None  # it exists; access is the target job's business (HF token)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        return "not a local path, and the hub has no such model", True
+    except Exception as exc:  # noqa: BLE001 - any network failure means the same thing here
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        return f"not a local path, not in the local Hugging Face cache, and the hub lookup failed ({reason})", False
+    return None
+
+
+def check_target_source(target: dict[str, Any], dry_run: bool, materialised: bool,
+                        warnings: list[str]) -> str:
     source = target["source"]
-    if assets.is_alias(source) or _looks_like_path(source):
+    first_part = Path(source).expanduser().parts[0] if source else ""
+    if assets.is_alias(source) or _looks_like_path(source) or Path(first_part).exists():
         target_source = resolve_input("target.source", source)
         gguf_file = target.get("gguf_file")
         if gguf_file and not (Path(target_source) / gguf_file).is_file():
             raise ConfigError(f"config key target.gguf_file: {gguf_file!r} not found in {target_source}")
-    else:
-        target_source = source  # a hub id, resolved from the local HF cache when the target rule runs
+        return target_source
+    if not materialised:  # a hub id: the target job will need it from the cache or the hub
+        problem = hub_id_problem(source, target.get("revision"))
+        if problem:
+            message = f"config key target.source: {source!r} is {problem[0]}"
+            if problem[1] or not dry_run:
+                raise ConfigError(message)
+            warnings.append(message + " (a real run stops here)")
+    return source
+
+
+def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bool = False) -> Settings:
+    warnings: list[str] = []
+    target_source = check_target_source(config["target"], dry_run, target_materialised, warnings)
     data = config["data"]
-    inputs = [resolve_input(f"data.inputs[{i}]", value) for i, value in enumerate(data["inputs"])]
+    inputs = [resolve_input(f"data.inputs[{i}]", value, must_be_file=True) for i, value in enumerate(data["inputs"])]
     if data.get("weights") is not None:
         if len(data["weights"]) != len(inputs):
             raise ConfigError(f"config key data.weights: {len(data['weights'])} weights for {len(inputs)} inputs")
@@ -67,4 +149,25 @@ def check(config: dict[str, Any]) -> Settings:
         for key in ("aux_url", "final_url"):
             if not (extract.get("sglang") or {}).get(key):
                 raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
-    return Settings(data_inputs=inputs, target_source=target_source)
+    return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
+                    chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def check_chat_template(setting: str | None) -> str | None:
+    """The template file to track as an input (None for a built-in name or no setting); it must parse."""
+    import jinja2
+
+    from .tokenization import BUILTIN_CHAT_TEMPLATES, chat_template_text
+
+    if setting is None:
+        return None
+    if setting not in BUILTIN_CHAT_TEMPLATES:
+        path = Path(setting).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"config key target.chat_template: {setting!r} is neither a file nor a built-in "
+                              f"template ({', '.join(BUILTIN_CHAT_TEMPLATES)})")
+    try:
+        jinja2.Environment().parse(chat_template_text(setting))
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"config key target.chat_template: {setting} line {exc.lineno}: {exc.message}") from exc
+    return None if setting in BUILTIN_CHAT_TEMPLATES else str(Path(setting).expanduser())
