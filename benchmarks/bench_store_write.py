@@ -36,7 +36,7 @@ def zarr_baseline(workdir: Path, aux: np.ndarray, last: np.ndarray) -> float:
         arrays.append((group.create_array(name, shape=data.shape, dtype="uint16",
                                           chunks=(layout.chunk_rows,) + data.shape[1:],
                                           shards=(layout.rows_per_shard,) + data.shape[1:],
-                                          compressors=zarr_io.blosc(2)), data))
+                                          compressors=zarr_io.chunk_codecs(2)), data))
     start = time.perf_counter()
     for row in range(0, len(aux), layout.rows_per_shard):
         for array, data in arrays:

@@ -8,8 +8,9 @@ import logging
 import numpy as np
 import pytest
 import torch
+import zarr
 
-from eagle3_pipeline import hidden_store, token_shards
+from eagle3_pipeline import hidden_store, token_shards, zarr_io
 from eagle3_pipeline.backends import BackendInfo, check_aux_layer_ids, default_aux_layer_ids
 from eagle3_pipeline.backends.hf import HFBackend
 from eagle3_pipeline.extract_stage import NonFiniteActivations, extract_shard, plan_batches, storage_order
@@ -132,13 +133,77 @@ def test_validator_catches_killed_truncated_and_missing_shards(tmp_path, token_s
     shard_file = out / "last_hidden_states" / "c" / "1" / "0"
     data = shard_file.read_bytes()
     shard_file.write_bytes(data[: len(data) // 2])
-    with pytest.raises(hidden_store.InvalidStore, match="damaged"):
+    with pytest.raises(hidden_store.InvalidStore, match=r"array last_hidden_states, chunk \d+ .*c/1/0\) is corrupt"):
         hidden_store.validate(out)
     shard_file.unlink()
     with pytest.raises(hidden_store.InvalidStore, match="missing"):
         hidden_store.validate(out)
     with pytest.raises(hidden_store.InvalidStore, match="does not exist"):
         hidden_store.validate(tmp_path / "never.zarr")
+
+
+def flip_bytes_inside_a_chunk(array_dir, shard: int, chunks_per_shard: int, chunk_in_file: int | None = None,
+                              count: int = 64) -> int:
+    """Invert `count` bytes in the middle of a stored chunk of zarr shard file `shard` (by default the chunk
+    holding the file's middle byte); returns that chunk's index in the array."""
+    file = next(f for f in (array_dir / "c" / str(shard)).rglob("*") if f.is_file())
+    data = bytearray(file.read_bytes())
+    index = np.frombuffer(bytes(data[-4 - 16 * chunks_per_shard: -4]), dtype="<u8").reshape(-1, 2)
+    if chunk_in_file is None:
+        chunk_in_file = next(c for c, (offset, size) in enumerate(index) if offset <= len(data) // 2 < offset + size)
+    offset, size = (int(v) for v in index[chunk_in_file])
+    assert size > 2 * count
+    middle = offset + size // 2 - count // 2
+    data[middle: middle + count] = bytes(b ^ 0xFF for b in data[middle: middle + count])
+    file.write_bytes(bytes(data))
+    return shard * chunks_per_shard + chunk_in_file
+
+
+def random_store(out, tokens: int = 5000, hidden: int = 512, shard_bytes: int = 8 << 20) -> dict:
+    """A real store of random activations, several chunks per zarr shard file (4 here), several files."""
+    rng = np.random.default_rng(7)
+    offsets = np.arange(0, tokens + 1, 100, dtype=np.int64)
+    sequences = {"input_ids": rng.integers(0, 100, tokens).astype(np.int32), "loss_mask": np.ones(tokens, np.uint8),
+                 "seq_offsets": offsets, "sample_ids": [f"id{i}" for i in range(len(offsets) - 1)]}
+    writer = hidden_store.StoreWriter(out, tokens, hidden, {"num_sequences": len(offsets) - 1}, sequences,
+                                      shard_bytes=shard_bytes)
+    values = torch.from_numpy(rng.standard_normal((tokens, 4, hidden), dtype=np.float32))
+    writer.append(hidden_store.bf16_to_u16(values[:, :3]), hidden_store.bf16_to_u16(values[:, 3]))
+    writer.finish({})
+    attrs = hidden_store.validate(out)
+    assert attrs["rows_per_shard"] // attrs["chunk_rows"] > 1 and attrs["rows_per_shard"] < tokens
+    return attrs
+
+
+def test_flipped_bytes_inside_a_chunk_fail_validation_naming_the_chunk(tmp_path):
+    out = tmp_path / "hidden.zarr"
+    attrs = random_store(out)
+    chunk = flip_bytes_inside_a_chunk(out / "aux_hidden_states", 1, attrs["rows_per_shard"] // attrs["chunk_rows"])
+    with pytest.raises(hidden_store.InvalidStore) as error:
+        hidden_store.validate(out)
+    assert f"{out}: array aux_hidden_states, chunk {chunk} (rows {chunk * attrs['chunk_rows']}-" in str(error.value)
+    assert "(checksum mismatch); delete the store" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_read_verifies_its_chunks(tmp_path):
+    """Chunks the validator does not sample are still checked when training reads them."""
+    out = tmp_path / "hidden.zarr"
+    attrs = random_store(out)
+    chunk = flip_bytes_inside_a_chunk(out / "last_hidden_states", 1, attrs["rows_per_shard"] // attrs["chunk_rows"],
+                                      chunk_in_file=1)
+    store = hidden_store.HiddenStore(out, validate_store=False)
+    j = int(np.searchsorted(store.seq_offsets, chunk * attrs["chunk_rows"], side="right") - 1)
+    with pytest.raises(zarr_io.CorruptChunk, match=rf"array last_hidden_states, chunk {chunk} .*checksum mismatch"):
+        store.sequence(j)
+    store.sequence(0)  # other chunks still read
+
+
+def test_a_store_of_the_old_schema_is_refused_with_the_remedy(tmp_path, token_shard):
+    out = tmp_path / "hidden.zarr"
+    run_extract(HFBackend(tiny_llama(layers=6)), token_shard, out)
+    zarr.open_group(str(out), mode="r+").attrs["schema_version"] = 1
+    with pytest.raises(hidden_store.InvalidStore, match="schema version 1.*delete it and rerun its extract job"):
+        hidden_store.validate(out)
 
 
 class Interrupt(Exception):
@@ -212,10 +277,6 @@ def test_backend_info_attrs():
 
 def test_direct_shard_bytes_equal_zarr(tmp_path):
     """Our whole-shard encoder writes exactly the bytes zarr writes, and zarr reads them back."""
-    import zarr
-
-    from eagle3_pipeline import zarr_io
-
     layout = hidden_store.Layout.for_hidden_size(32, shard_bytes=8 << 20)
     assert layout.rows_per_shard >= 4 * layout.chunk_rows
     rows = 2 * layout.rows_per_shard + layout.chunk_rows + 5  # a short last shard with a partial chunk
@@ -226,7 +287,7 @@ def test_direct_shard_bytes_equal_zarr(tmp_path):
     for name in ("by_zarr", "direct"):
         group = zarr.open_group(str(tmp_path / f"{name}.zarr"), mode="w")
         arrays[name] = group.create_array("a", shape=data.shape, dtype="uint16", chunks=(layout.chunk_rows, 3, 32),
-                                          shards=(layout.rows_per_shard, 3, 32), compressors=zarr_io.blosc(2))
+                                          shards=(layout.rows_per_shard, 3, 32), compressors=zarr_io.chunk_codecs(2))
     arrays["by_zarr"][...] = data
     for shard in range(-(-rows // layout.rows_per_shard)):
         block = data[shard * layout.rows_per_shard: (shard + 1) * layout.rows_per_shard]

@@ -65,10 +65,15 @@ class StagePlan:
 
 
 def hidden_bytes_per_token(hidden_size: int, compression: float) -> tuple[float, float]:
-    """(raw, expected on disk) bytes per token of a hidden-state store: 4 bf16 vectors + id + mask."""
+    """(raw, expected on disk) bytes per token of a hidden-state store: 4 bf16 vectors + id + mask, and
+    on disk a 4-byte crc32c per chunk of each of the two hidden arrays."""
+    from .hidden_store import HIDDEN_ARRAYS, Layout
+    from .zarr_io import CHECKSUM_BYTES
+
     hidden = 4 * hidden_size * 2
     raw = hidden + TOKEN_SHARD_BYTES_PER_TOKEN
-    return raw, hidden / compression + TOKEN_SHARD_BYTES_PER_TOKEN / 2
+    checksums = len(HIDDEN_ARRAYS) * CHECKSUM_BYTES / Layout.for_hidden_size(hidden_size).chunk_rows
+    return raw, hidden / compression + TOKEN_SHARD_BYTES_PER_TOKEN / 2 + checksums
 
 
 def human_bytes(count: float) -> str:

@@ -7,6 +7,7 @@ Arrays (token-major, concatenated over sequences):
     sample_ids  string [N]
 Attrs: format, schema_version, complete (written last), num_sequences, num_tokens, num_loss_tokens,
 template_hash, target_hash, max_seq_len, and the tokenize stage's counts.
+Every chunk ends with a crc32c of its compressed bytes (schema version 2; version 1 is refused).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from . import zarr_io
 from .tokenization import TokenizedConversation
 
 FORMAT = "eagle3-token-shard"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a crc32c on every chunk
 
 
 class InvalidTokenShard(ValueError):
@@ -76,11 +77,13 @@ def write(path: Path, sequences: list[TokenizedConversation], attrs: dict[str, A
 def read(path: Path) -> TokenShard:
     validate(path)
     group = zarr_io.open_readonly(path)
+    arrays = {name: zarr_io.read_rows(path, name, group[name], 0, group[name].shape[0])
+              for name in ("input_ids", "loss_mask", "seq_offsets", "sample_ids")}
     return TokenShard(
-        input_ids=group["input_ids"][...],
-        loss_mask=group["loss_mask"][...],
-        seq_offsets=group["seq_offsets"][...],
-        sample_ids=[str(s) for s in group["sample_ids"][...]],
+        input_ids=arrays["input_ids"],
+        loss_mask=arrays["loss_mask"],
+        seq_offsets=arrays["seq_offsets"],
+        sample_ids=[str(s) for s in arrays["sample_ids"]],
         attrs=dict(group.attrs),
     )
 
@@ -90,8 +93,12 @@ def read_attrs(path: Path) -> dict[str, Any]:
 
 
 def validate(path: Path) -> dict[str, Any]:
-    group, attrs = zarr_io.open_complete(path, FORMAT, "token shard", InvalidTokenShard)
-    offsets = group["seq_offsets"][...]
+    group, attrs = zarr_io.open_complete(path, FORMAT, "token shard", InvalidTokenShard, SCHEMA_VERSION,
+                                         job="tokenize")
+    try:
+        offsets = zarr_io.read_rows(path, "seq_offsets", group["seq_offsets"], 0, group["seq_offsets"].shape[0])
+    except zarr_io.CorruptChunk as exc:
+        raise InvalidTokenShard(str(exc)) from exc
     problems = []
     if len(offsets) != attrs["num_sequences"] + 1 or group["sample_ids"].shape[0] != attrs["num_sequences"]:
         problems.append("sequence count disagrees with attrs")

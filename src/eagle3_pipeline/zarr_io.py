@@ -1,7 +1,8 @@
-"""Shared zarr plumbing: the codec, atomic directory commits and store-level checks.
+"""Shared zarr plumbing: the codecs, atomic directory commits and store-level checks.
 
 The two on-disk formats (token shards, hidden-state stores) are defined in `token_shards` and
-`hidden_store`; this module only holds what both need.
+`hidden_store`; this module only holds what both need. Every stored chunk ends with a crc32c of its
+compressed bytes (zarr v3's `crc32c` codec after Blosc), so every read verifies the chunk.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, BloscShuffle
+from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
 
 BLOSC_BLOCKSIZE = 1 << 20  # 1 MiB: Blosc's automatic block size loses ~15% of the ratio on activations
 BLOSC_CNAME, BLOSC_CLEVEL = "zstd", 1  # one definition for zarr's metadata and our own shard encoder
@@ -24,7 +25,20 @@ def blosc(typesize: int, clevel: int = BLOSC_CLEVEL, cname: str = BLOSC_CNAME, s
                       blocksize=BLOSC_BLOCKSIZE)
 
 
+def chunk_codecs(typesize: int) -> tuple[BloscCodec, Crc32cCodec]:
+    """The bytes-to-bytes codecs of every numeric array we store: Blosc, then a crc32c of its output."""
+    return blosc(typesize), Crc32cCodec()
+
+
+CHECKSUM_BYTES = 4  # what the crc32c codec appends to each chunk (and zarr to each shard index)
 EMPTY_CHUNK = np.iinfo(np.uint64).max
+
+
+def crc32c_bytes(data: bytes) -> bytes:
+    """The 4 bytes zarr's crc32c codec appends: the checksum as a little-endian uint32."""
+    import google_crc32c
+
+    return np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
 
 
 def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -> list[bytes]:
@@ -32,14 +46,14 @@ def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -
 
     zarr's own write path runs every chunk through one event loop and reaches ~0.25 GB/s whatever the
     number of writer threads; numcodecs releases the GIL, so shards encoded here in threads scale with
-    cores. The layout is the one zarr writes for our arrays (inner codecs bytes+blosc; index of
-    (offset, nbytes) uint64 pairs at the end, then its crc32c): `test_direct_shard_bytes_equal_zarr`.
+    cores. The layout is the one zarr writes for our arrays (inner codecs bytes+blosc+crc32c, i.e. each
+    chunk is its Blosc bytes then their crc32c; index of (offset, nbytes) uint64 pairs at the end, then
+    its crc32c): `test_direct_shard_bytes_equal_zarr`.
     A last, short shard pads its final chunk with the fill value (0) and marks absent chunks empty.
     """
-    import google_crc32c
     from numcodecs import Blosc
 
-    # must match blosc(typesize=2), the codec the hidden arrays declare in their zarr.json
+    # must match chunk_codecs(typesize=2), the codecs the hidden arrays declare in their zarr.json
     codec = Blosc(cname=BLOSC_CNAME, clevel=BLOSC_CLEVEL, shuffle=Blosc.SHUFFLE, blocksize=BLOSC_BLOCKSIZE)
     chunks_per_shard = rows_per_shard // chunk_rows
     index = np.full((chunks_per_shard, 2), EMPTY_CHUNK, dtype="<u8")
@@ -51,12 +65,11 @@ def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -
         if not chunk.any():
             continue  # zarr leaves all-fill chunks unwritten (write_empty_chunks=False)
         encoded = codec.encode(np.ascontiguousarray(chunk, dtype="<u2"))
-        index[c] = (offset, len(encoded))
-        pieces.append(encoded)
-        offset += len(encoded)
+        index[c] = (offset, len(encoded) + CHECKSUM_BYTES)
+        pieces += [encoded, crc32c_bytes(encoded)]
+        offset += len(encoded) + CHECKSUM_BYTES
     index_bytes = index.tobytes()
-    checksum = np.uint32(google_crc32c.value(index_bytes)).tobytes()
-    return [*pieces, index_bytes, checksum]  # written one after another: no joined copy of the shard
+    return [*pieces, index_bytes, crc32c_bytes(index_bytes)]  # written one after another: no joined copy
 
 
 def write_whole_shard(array_dir: Path, shard_index: int, trailing_dims: int, pieces: list[bytes]) -> None:
@@ -94,9 +107,9 @@ def write_array(group: zarr.Group, name: str, data: np.ndarray, chunk_rows: int 
     """Write a whole 1-D/2-D array in one go (small arrays: ids, masks, offsets)."""
     rows = max(1, min(chunk_rows, len(data)))
     chunks = (rows,) + tuple(data.shape[1:])
-    compressor = compressor or blosc(typesize=data.dtype.itemsize)
+    compressors = (compressor, Crc32cCodec()) if compressor else chunk_codecs(typesize=data.dtype.itemsize)
     array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks,
-                               compressors=compressor)
+                               compressors=compressors)
     if len(data):
         array[...] = data
     return array
@@ -106,7 +119,7 @@ def write_strings(group: zarr.Group, name: str, values: list[str]) -> zarr.Array
     from zarr.core.dtype import VariableLengthUTF8
 
     array = group.create_array(name, shape=(len(values),), dtype=VariableLengthUTF8(),
-                               chunks=(max(1, len(values)),))
+                               chunks=(max(1, len(values)),), compressors=(ZstdCodec(), Crc32cCodec()))
     if values:
         array[...] = np.asarray(values, dtype=object)
     return array
@@ -120,9 +133,10 @@ def open_readonly(path: Path) -> zarr.Group:
     return zarr.open_group(str(path), mode="r")
 
 
-def open_complete(path: Path, expected_format: str, what: str, error: type[Exception],
-                  hint: str = "") -> tuple[zarr.Group, dict[str, Any]]:
-    """Open a store of `expected_format` whose `complete` attr is set, or raise `error` saying why."""
+def open_complete(path: Path, expected_format: str, what: str, error: type[Exception], schema_version: int,
+                  job: str) -> tuple[zarr.Group, dict[str, Any]]:
+    """Open a complete store of `expected_format` and `schema_version`, or raise `error` saying why.
+    `job` is the rule that writes it (named in the remedy)."""
     if not Path(path).is_dir():
         raise error(f"{path}: {what} does not exist")
     try:
@@ -132,8 +146,65 @@ def open_complete(path: Path, expected_format: str, what: str, error: type[Excep
         raise error(f"{path}: not a readable zarr group ({exc})") from exc
     if found.get("format") != expected_format or found.get("complete") is not True:
         raise error(f"{path}: not a complete {what} (format={found.get('format')}, "
-                    f"complete={found.get('complete')}){hint}")
+                    f"complete={found.get('complete')}); rerun its {job} job")
+    if found.get("schema_version") != schema_version:
+        raise error(f"{path}: {what} of schema version {found.get('schema_version')}, written by an older "
+                    f"pipeline (this one reads version {schema_version}, whose chunks carry checksums); "
+                    f"delete it and rerun its {job} job")
     return group, found
+
+
+class CorruptChunk(ValueError):
+    """A stored chunk that fails its checksum or does not decode; the message names store, array, chunk."""
+
+
+def read_rows(store: Path, name: str, array: zarr.Array, start: int, stop: int) -> np.ndarray:
+    """array[start:stop], or CorruptChunk naming the first chunk in that range that does not verify."""
+    try:
+        return array[start:stop]
+    except Exception as exc:
+        bad = _first_bad_chunk(array, start, stop)
+        if bad is None:
+            raise  # not a chunk's fault
+        raise CorruptChunk(describe_bad_chunk(store, name, array, *bad)) from exc
+
+
+def _first_bad_chunk(array: zarr.Array, start: int, stop: int) -> tuple[int, Exception] | None:
+    rows = array.chunks[0]
+    for chunk in range(start // rows, -(-stop // rows)):
+        try:
+            array[chunk * rows: (chunk + 1) * rows]
+        except Exception as exc:
+            return chunk, exc
+    return None
+
+
+def describe_bad_chunk(store: Path, name: str, array: zarr.Array, chunk: int, exc: Exception) -> str:
+    """One line: store, array, chunk (its rows and the file holding it) and why it failed."""
+    rows = array.chunks[0]
+    file_rows = (array.shards or array.chunks)[0]  # a zarr shard file holds several chunks
+    key = "/".join(["c", str(chunk * rows // file_rows)] + ["0"] * (array.ndim - 1))
+    reason = "checksum mismatch" if "checksum" in str(exc) else f"{type(exc).__name__}: {str(exc)[:120]}"
+    end = min(array.shape[0], (chunk + 1) * rows) - 1
+    return (f"{store}: array {name}, chunk {chunk} (rows {chunk * rows}-{end}, file {name}/{key}) is corrupt "
+            f"({reason}); delete the store and rerun the job that wrote it")
+
+
+def verify_sample(store: Path, group: zarr.Group, names: tuple[str, ...], per_array: int = 16) -> None:
+    """Decode (and so checksum) a bounded sample of chunks of every named array: `per_array` chunks spread
+    evenly over it, plus one chunk of every zarr shard file (whose index is checked on any read)."""
+    for name in names:
+        array = group[name]
+        rows = array.chunks[0]
+        count = -(-array.shape[0] // rows)
+        if count == 0:
+            continue
+        chunks = set(np.linspace(0, count - 1, num=min(per_array, count)).round().astype(int).tolist())
+        if array.shards:
+            per_file = array.shards[0] // rows
+            chunks |= {min(count, f + per_file) - 1 for f in range(0, count, per_file)}
+        for chunk in sorted(chunks):
+            read_rows(store, name, array, chunk * rows, min(array.shape[0], (chunk + 1) * rows))
 
 
 def attrs(path: Path) -> dict[str, Any]:
