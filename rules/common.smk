@@ -88,8 +88,9 @@ def current_plan():
     fixed = [
         disk_plan.target_copy(TARGET_DIR, *where),
         *disk_plan.drafter_stages(dims, config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
-                                  Path(DRAFTER_WEIGHTS), Path(SERVING_DIR)),
-        disk_plan.evaluation_stage(prompt_sets, {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},
+                                  Path(DRAFTER_WEIGHTS), Path(SERVING_DIR), hidden_size),
+        disk_plan.evaluation_stage(prompt_sets,
+                                   {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},
                                    config["evaluate"], config["data"]),
     ]
     warnings += [f"{item.stage}: size unknown, left out of the total" for item in fixed if item.total_bytes is None]

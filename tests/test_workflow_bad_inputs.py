@@ -154,3 +154,18 @@ def test_ingest_of_the_wrong_record_shape_stops_naming_the_reason(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "9 of 11 records failed with non_string_content" in result.stderr
     assert f"{path} record 0" in result.stderr and "Fix: turn contents must be strings" in result.stderr
+
+
+def test_regeneration_with_a_template_less_target_stops_naming_the_setting(tmp_path, target_dir):
+    base_model = template_less_copy(target_dir, tmp_path / "base-model")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in tiny_conversations(8)))
+    config = data_config(tmp_path, base_model, [chats])
+    config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 8, "batch_size": 2,
+                            "device": "cpu", "dtype": "float32"}
+    failed = run_snakemake(tmp_path, config, "results/bad/regenerated/shard-00000.jsonl", check=False)
+    assert failed.returncode != 0 and "Traceback" not in failed.stderr
+    assert "Error in rule regenerate" in failed.stderr + failed.stdout
+    assert "8 of 8 records failed with dropped_template_error" in failed.stderr
+    assert "Fix: set target.chat_template" in failed.stderr
+    assert not (tmp_path / "results/bad/regenerated/shard-00000.jsonl").exists()

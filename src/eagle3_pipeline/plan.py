@@ -324,10 +324,20 @@ def drafter_parameters(dims: dict[str, int], draft_vocab_size: int) -> int:
             + 3 * h * dims["intermediate_size"] + 4 * h + h * draft_vocab_size)
 
 
+def assumed_dims(hidden_size: int, vocab_size: int) -> dict[str, int]:
+    """A shape from the hidden size alone, on the large side: full multi-head attention, MLP width 4H."""
+    return {"hidden_size": hidden_size, "num_layers": 0, "intermediate_size": 4 * hidden_size, "heads": 1,
+            "kv_heads": 1, "head_dim": hidden_size, "vocab_size": vocab_size}
+
+
 def drafter_stages(dims: dict[str, int] | None, draft_vocab_size: int, export_dtype: str,
-                   train_weights: Path, serving_dir: Path) -> list[FixedStage]:
+                   train_weights: Path, serving_dir: Path, hidden_size: int | None = None) -> list[FixedStage]:
     """train: the fp32 checkpoint in train_state (weights + AdamW moments) plus the trained weights;
-    serving: the export in its dtype. d2t (int64 [K]) and t2d (bool [V]) ride along in each."""
+    serving: the export in its dtype. d2t (int64 [K]) and t2d (bool [V]) ride along in each.
+    Without the target's shape, `hidden_size` (plan.target_hidden_size) gives a rough upper bound."""
+    source = "estimate"
+    if dims is None and hidden_size:
+        dims, source = assumed_dims(hidden_size, draft_vocab_size), "rough (hidden size only)"
     if dims is None:
         return [FixedStage("train", None, 0, "unknown (target shape)"),
                 FixedStage("serving", None, 0, "unknown (target shape)")]
@@ -336,8 +346,8 @@ def drafter_stages(dims: dict[str, int] | None, draft_vocab_size: int, export_dt
     train = (4 * (1 + ADAM_STATE_COPIES) * parameters + vocab_maps) + (4 * parameters + vocab_maps)
     export = (4 if export_dtype == "float32" else 2) * parameters + vocab_maps
     trained = Path(train_weights).is_file()
-    return [FixedStage("train", train, train if trained else 0, "estimate (checkpoint + weights)"),
-            FixedStage("serving", export, export if Path(serving_dir).is_dir() else 0, "estimate")]
+    return [FixedStage("train", train, train if trained else 0, f"{source} (checkpoint + weights)"),
+            FixedStage("serving", export, export if Path(serving_dir).is_dir() else 0, source)]
 
 
 def prompt_count(name: str, prompt_file: str | None, evaluate: dict[str, Any], data: dict[str, Any]) -> int:

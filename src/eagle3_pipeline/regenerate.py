@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from . import conversations as conversation_io
 from . import journal, systemic
 from .logs import Progress
-from .tokenization import TemplateError, render
+from .tokenization import TemplateError, character_bound, render
 
 RETRIED_HTTP_CODES = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -415,7 +415,11 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
     identity = target.read_identity(target_dir)["content_hash"]
     tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
 
+    bound = character_bound(tokenizer, settings.max_context_tokens)
+
     def count_tokens(history: list[dict[str, str]]) -> int:
+        if sum(len(m["content"]) for m in history) > bound:
+            return bound  # surely over max_context_tokens: no need to tokenize megabytes to know it
         text = render(tokenizer, history, True, **settings.template_kwargs())
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
