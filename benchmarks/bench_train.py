@@ -173,6 +173,9 @@ def main() -> None:
         print(f"{name}: TTT step-0 loss on one batch, baseline {step0[0]:.5f} vs ours {step0[1]:.5f}", flush=True)
         results = {}
         for path in paths:
+            # A fresh compiler cache per path: flex_attention's recompile budget is per process, and a path
+            # measured after many shapes would otherwise fall back to the uncompiled kernel.
+            torch._dynamo.reset()
             batches_rows = schedule_rows(path.package.BatchSchedule, lengths, path.settings)
             real = [random_batch(config, rows, path.width(rows), device) for rows in batches_rows]
             padded = sum(b["valid"].numel() for b in real)
