@@ -14,14 +14,10 @@ class ClearError(Exception):
 
 def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = False) -> logging.Logger:
     """Log to the Snakemake `log:` file and to stderr; route Python warnings there too.
-
-    The file is appended to, never truncated: a job that resumes after a kill keeps the log of the attempt
-    that was killed (its progress, its last lines) above a line marking the new attempt. `append` is for
-    worker processes writing into their parent's log (no attempt line)."""
+    `append` is for worker processes writing into their parent's log."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
-        earlier = Path(log_path).exists() and Path(log_path).stat().st_size > 0
-        handlers.append(logging.FileHandler(log_path, mode="a", encoding="utf-8"))
+        handlers.append(logging.FileHandler(log_path, mode="a" if append else "w", encoding="utf-8"))
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -38,8 +34,6 @@ def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = Fals
         logger.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, traceback))
 
     sys.excepthook = log_uncaught
-    if log_path and not append and earlier:
-        logger.info("---- a new attempt of this job starts here (the lines above are from an earlier one) ----")
     return logger
 
 
