@@ -12,12 +12,18 @@ class ClearError(Exception):
     """An expected failure whose message names the cause and the fix: logged as one line, no traceback."""
 
 
-def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = False) -> logging.Logger:
+def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = False,
+          history: Path | None = None) -> logging.Logger:
     """Log to the Snakemake `log:` file and to stderr; route Python warnings there too.
-    `append` is for worker processes writing into their parent's log."""
+    `append` is for worker processes writing into their parent's log. `history` is a second file, appended
+    to across attempts: Snakemake deletes the log of a job it reruns, so a job that resumes after a kill
+    keeps the killed attempt's lines only there (next to the state it resumes from)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         handlers.append(logging.FileHandler(log_path, mode="a" if append else "w", encoding="utf-8"))
+    if history:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(history, mode="a", encoding="utf-8"))
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -18,7 +18,8 @@ from .train import settings_from_config, summary, train
 def run(args: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    log = logs.setup(args["log"] if rank == 0 else None, name="train")
+    log = logs.setup(args["log"] if rank == 0 else None, name="train",
+                     history=Path(args["state_dir"]) / "train.log" if rank == 0 else None)
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
