@@ -64,6 +64,10 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     assert len(table) == 2 * 4
     parity = json.loads((results / "parity" / "hf.json").read_text())
     assert parity["passed"] and parity["aux_layer_ids"] == [2, 15, 27]
+    estimate = json.loads((results / "train" / "summary.json").read_text())["heldout_estimate"]
+    assert [row["epoch"] for row in estimate["by_epoch"]] == [1]  # one epoch, one offline estimate
+    assert estimate["by_epoch"][0]["positions"] > 0 and estimate["by_epoch"][0]["tau_k2"] >= 1.0
+    assert (results / "hidden" / "shard-heldout.zarr").is_dir()
     served = json.loads((results / "serving" / "drafter" / "config.json").read_text())
     assert served["architectures"] == ["LlamaForCausalLMEagle3"]
     report = tmp_path / "report.html"
