@@ -303,7 +303,6 @@ def test_heldout_estimate_every_epoch_keeps_the_best_weights_and_resumes(tiny_ru
     straight = train([store], target_dir, vocab_path, tmp_path / "straight", settings(), heldout_paths=[store])
     rows = read_metrics(tmp_path / "straight" / "heldout_estimate.csv")
     assert [int(r["epoch"]) for r in rows] == list(range(1, 7))
-    assert rows[-1]["tau_k3"] >= rows[-1]["tau_k2"] >= rows[-1]["tau_k1"] >= 1.0
     assert rows[-1]["tau_k1"] > rows[0]["tau_k1"]  # training moved the estimate
     best = max(rows, key=lambda r: r["tau_k3"])  # settings(): 3 TTT steps, so select_k 4 is capped at 3
     kept = load_file(str(tmp_path / "straight" / "best.safetensors"))
