@@ -1,9 +1,13 @@
-"""Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed)."""
+"""Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed), and the
+headline table `make run` ends with: `python -m eagle3_pipeline.plots RUN_DIR` (or `--config FILE...`)
+prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +36,35 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
     plt.close(fig)
 
 
+TAU_COLUMNS = ("prompt_set", "method", "tau", "tokens_per_s", "speedup_vs_target", "prompts")
+
+
+def read_evaluations(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Evaluation results (evaluation/<prompt set>.json, written by the `evaluate` rule) by prompt set."""
+    return {Path(p).stem: json.loads(Path(p).read_text()) for p in paths}
+
+
+def tau_rows(evaluations: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """One row per prompt set and method, in TAU_COLUMNS order (the target alone: tau 1, speedup 1)."""
+    return [[name, method, f"{values.get('tau', 1.0):.3f}", f"{values['tokens_per_s']:.1f}",
+             f"{values.get('speedup_vs_target', 1.0):.3f}", values["prompts"]]
+            for name, result in evaluations.items() for method, values in result["summary"].items()]
+
+
 def tau_table(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
     with open(out, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["prompt_set", "method", "tau", "tokens_per_s", "speedup_vs_target", "prompts"])
-        for name, result in evaluations.items():
-            for method, values in result["summary"].items():
-                writer.writerow([name, method, f"{values.get('tau', 1.0):.3f}", f"{values['tokens_per_s']:.1f}",
-                                 f"{values.get('speedup_vs_target', 1.0):.3f}", values["prompts"]])
+        writer.writerow(TAU_COLUMNS)
+        writer.writerows(tau_rows(evaluations))
+
+
+def headline_table(evaluations: dict[str, dict[str, Any]]) -> str:
+    """The tau/speedup table as aligned text, for the terminal."""
+    rows = [list(TAU_COLUMNS)] + [[str(value) for value in row] for row in tau_rows(evaluations)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TAU_COLUMNS))]
+    return "\n".join("  ".join(value.ljust(width) if i < 2 else value.rjust(width)
+                               for i, (value, width) in enumerate(zip(row, widths, strict=True))).rstrip()
+                     for row in rows)
 
 
 def training_figure(metrics_path: Path, out: Path) -> None:
@@ -91,3 +116,32 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
     identity = json.loads((Path(target_dir) / "identity.json").read_text())
     return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
             "target": identity, "packages": packages}
+
+
+def run_directory(configs: list[Path]) -> Path:
+    """results/<run> of a config (later files override earlier ones, as with snakemake --configfile)."""
+    import yaml
+
+    config: dict[str, Any] = {}
+    for path in configs:
+        config |= yaml.safe_load(Path(path).read_text())
+    return Path(config["results_dir"]) / config["run"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print tau and speedup per prompt set and method of a run.")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("run_dir", nargs="?", type=Path, help="results/<run>")
+    where.add_argument("--config", nargs="+", type=Path, help="the run's config file(s), e.g. config/config.yaml")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir or run_directory(args.config)
+    paths = sorted((run_dir / "evaluation").glob("*.json"))
+    if not paths:
+        print(f"{run_dir / 'evaluation'}: no evaluation results yet", file=sys.stderr)
+        return 1
+    print(f"tau and speedup ({run_dir / 'evaluation'}):\n{headline_table(read_evaluations(paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
