@@ -7,7 +7,7 @@ from eagle3_pipeline import logs, plots
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])
-evaluations = {Path(p).stem: json.loads(Path(p).read_text()) for p in snakemake.input.evaluations}
+evaluations = plots.read_evaluations(snakemake.input.evaluations)
 plots.acceptance_figure(evaluations, Path(snakemake.output.acceptance))
 plots.tau_table(evaluations, json.loads(Path(snakemake.input.timing).read_text()), Path(snakemake.output.tau))
 plots.training_figure(Path(snakemake.input.metrics), Path(snakemake.output.training),

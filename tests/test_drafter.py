@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -10,18 +11,21 @@ import torch
 import zarr
 from safetensors import safe_open
 
-from eagle3_pipeline import export, hidden_store
+from eagle3_pipeline import export, hidden_store, zarr_io
 from eagle3_pipeline.model import Drafter, DrafterConfig
 from eagle3_pipeline.train import (
     Teacher,
     TrainSettings,
+    fingerprint_changes,
     read_metrics,
+    run_fingerprint,
     shift_left,
     step_metrics,
     summary,
     train,
     ttt_forward,
 )
+from eagle3_pipeline.train_main import data_error_line
 
 from .tiny_models import tiny_target_with_store
 
@@ -166,6 +170,63 @@ def test_resume_after_a_kill_ends_with_the_same_weights(tiny_run, tmp_path):
     resumed_rows = read_metrics(tmp_path / "resumed" / "metrics.csv")
     assert [r["step"] for r in resumed_rows] == [r["step"] for r in straight_rows]
     assert [r["loss"] for r in resumed_rows] == pytest.approx([r["loss"] for r in straight_rows], rel=1e-6)
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(tensor, b.trainable_state_dict()[name]) for name, tensor in a.trainable_state_dict().items())
+
+
+def test_a_finished_run_or_changed_settings_train_from_step_0(tiny_run, tmp_path, caplog):
+    target_dir, store, vocab_path = tiny_run
+    state = tmp_path / "state"
+    first = train([store], target_dir, vocab_path, state, settings(epochs=2))
+    steps = [r["step"] for r in read_metrics(state / "metrics.csv")]
+    assert steps == list(range(1, len(steps) + 1))
+    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.train"):
+        again = train([store], target_dir, vocab_path, state, settings(epochs=2, log_every=2))  # e.g. `-R train`
+    assert "it is the end of a finished run" in caplog.text and "training from step 0" in caplog.text
+    assert same_weights(first, again)  # trained again from scratch, deterministically
+    assert [r["step"] for r in read_metrics(state / "metrics.csv")] == steps[1::2]
+    caplog.clear()
+    train([store], target_dir, vocab_path, state, settings(epochs=2), stop_after_step=3)  # a killed run
+    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.train"):
+        changed = train([store], target_dir, vocab_path, state, settings(epochs=2, learning_rate=1e-3, seed=1))
+    assert "changed since it was written: train.learning_rate: 0.003 -> 0.001; train.seed: 0 -> 1;" in caplog.text
+    assert not same_weights(first, changed)
+    fresh = train([store], target_dir, vocab_path, tmp_path / "fresh", settings(epochs=2, learning_rate=1e-3, seed=1))
+    assert same_weights(fresh, changed)
+    changed_rows, fresh_rows = read_metrics(state / "metrics.csv"), read_metrics(tmp_path / "fresh" / "metrics.csv")
+    assert [(r["step"], r["loss"]) for r in changed_rows] == [(r["step"], r["loss"]) for r in fresh_rows]
+
+
+def test_the_fingerprint_names_changed_stores_vocab_and_target(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    other_target, other_store, other_vocab = tiny_target_with_store(tmp_path, seed=1)
+    base = run_fingerprint([store], target_dir, vocab_path, settings(), 1)
+    assert fingerprint_changes(base, run_fingerprint([store], target_dir, vocab_path, settings(num_workers=3,
+                                                     log_every=5, checkpoint_every=7), 1)) == []
+    assert fingerprint_changes(base, run_fingerprint([other_store], other_target, other_vocab, settings(), 2)) == [
+        "world size: 1 -> 2", "hidden store hidden.zarr content", "draft vocab content", "target model content"]
+    assert fingerprint_changes(base, run_fingerprint([store, other_store], target_dir, vocab_path, settings(), 1)) \
+        == ["hidden stores: 1 -> 2"]
+    assert fingerprint_changes(None, base) == ["no fingerprint recorded (written by an older version)"]
+
+
+def test_a_data_error_in_a_loader_worker_is_one_line():
+    """What a DataLoader worker's error looks like in the training process, reduced to its own line."""
+    loader = torch.utils.data.DataLoader(CorruptDataset(), batch_size=None, num_workers=1)
+    with pytest.raises(zarr_io.CorruptChunk) as error:
+        next(iter(loader))
+    assert "Traceback" in str(error.value)
+    assert data_error_line(error.value) == "store.zarr: array aux_hidden_states, chunk 3 is corrupt"
+
+
+class CorruptDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int):
+        raise zarr_io.CorruptChunk("store.zarr: array aux_hidden_states, chunk 3 is corrupt")
 
 
 def test_training_refuses_an_invalid_store(tiny_run, tmp_path):

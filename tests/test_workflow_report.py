@@ -10,6 +10,7 @@ import re
 import signal
 import struct
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -85,6 +86,18 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     for name in ("acceptance_by_position.png", "training_curves.png", "disk_plan_vs_actual.png",
                  "tau_and_speedup.csv", "provenance.json", "mtbench-package.json", "timing.json"):
         assert name in html
+
+    # what `make run` prints last: every prompt set and method with the tau and speedup of its JSON
+    headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.plots", "results/tiny"], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout
+    lines = [line.split() for line in headline.splitlines()[2:]]
+    for prompt_set in ("mtbench-package", "held-out"):
+        summary = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())["summary"]
+        shown = {line[1]: line for line in lines if line[0] == prompt_set}
+        assert set(shown) == set(summary)
+        for method, values in summary.items():
+            assert shown[method][2] == f"{values.get('tau', 1.0):.3f}"
+            assert shown[method][4] == f"{values.get('speedup_vs_target', 1.0):.3f}"
 
 
 def finished_prompts(progress) -> int:

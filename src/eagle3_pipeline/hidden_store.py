@@ -101,7 +101,8 @@ class StoreWriter:
             zarr_io.start_partial(self.final)
             return 0
         progress = json.loads(progress_path.read_text())
-        same = (progress.get("metadata") == _jsonable(self.metadata)
+        same = (progress.get("schema_version") == SCHEMA_VERSION  # an older partial store lacks checksums
+                and progress.get("metadata") == _jsonable(self.metadata)
                 and progress.get("num_tokens") == self.num_tokens
                 and progress.get("layout") == [self.layout.chunk_rows, self.layout.rows_per_shard]
                 and np.array_equal(zarr.open_group(str(self.partial), mode="r")["input_ids"][...],
@@ -127,7 +128,8 @@ class StoreWriter:
         self._save_progress(0)
 
     def _save_progress(self, rows: int) -> None:
-        progress = {"rows_written": rows, "num_tokens": self.num_tokens, "metadata": _jsonable(self.metadata),
+        progress = {"rows_written": rows, "schema_version": SCHEMA_VERSION, "num_tokens": self.num_tokens,
+                    "metadata": _jsonable(self.metadata),
                     "layout": [self.layout.chunk_rows, self.layout.rows_per_shard]}
         tmp = self.partial / (PROGRESS_FILE + ".tmp")
         tmp.write_text(json.dumps(progress))
@@ -246,6 +248,27 @@ class HiddenStore:
 
     def _read(self, name: str, array: zarr.Array, start: int, end: int) -> np.ndarray:
         return zarr_io.read_rows(self.path, name, array, start, end)  # CorruptChunk names store, array, chunk
+
+
+def identity(path: Path) -> str:
+    """A cheap content hash of a complete store: its attrs, its small arrays, and the checksum every chunk of
+    the hidden arrays carries (a few bytes per chunk read, not the activations)."""
+    import hashlib
+
+    path = Path(path)
+    group = zarr_io.open_readonly(path)
+    attrs = dict(group.attrs)
+    digest = hashlib.sha256(json.dumps(_jsonable(attrs), sort_keys=True).encode())
+    for name in ("input_ids", "loss_mask", "seq_offsets"):
+        digest.update(np.ascontiguousarray(zarr_io.read_rows(path, name, group[name], 0, group[name].shape[0])))
+    digest.update("\0".join(str(s) for s in group["sample_ids"][...]).encode())
+    chunks_per_shard = attrs["rows_per_shard"] // attrs["chunk_rows"]
+    for name in HIDDEN_ARRAYS:
+        files = (path / name / "c").rglob("*")
+        for file in sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(path).parts):
+            digest.update(str(file.relative_to(path)).encode())
+            digest.update(zarr_io.stored_chunk_checksums(file, chunks_per_shard))
+    return digest.hexdigest()
 
 
 def validate(path: Path) -> dict[str, Any]:

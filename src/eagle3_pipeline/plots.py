@@ -1,9 +1,13 @@
-"""Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed)."""
+"""Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed), and the
+headline table `make run` ends with: `python -m eagle3_pipeline.plots RUN_DIR` (or `--config FILE...`)
+prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +36,46 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
     plt.close(fig)
 
 
+TAU_COLUMNS = ("prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
+               "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)", "draft_ms_per_step (timing pass)",
+               "verify_ms_per_step (timing pass)", "prompts (timing pass)")
+TIMING_FILE = "timing/timing.json"  # under results/<run>/, written by the `evaluate_timing` rule
+
+
+def read_evaluations(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Evaluation results (evaluation/<prompt set>.json, written by the `evaluate` rule) by prompt set."""
+    return {Path(p).stem: json.loads(Path(p).read_text()) for p in paths}
+
+
+def tau_rows(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> list[list[Any]]:
+    """One row per prompt set and method, in TAU_COLUMNS order: tau from the tau pass, speeds from the timing
+    pass (empty where the timing pass did not run that method, e.g. the untrained baseline)."""
+    rows = []
+    for name, result in evaluations.items():
+        for method, values in result["summary"].items():
+            speed = timing.get("sets", {}).get(name, {}).get(method)
+            speeds = ([f"{speed['tokens_per_s']:.1f}", f"{speed['speedup_vs_target']:.3f}",
+                       f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
+                      if speed else [""] * 5)
+            rows.append([name, method, f"{values.get('tau', 1.0):.3f}", f"{values.get('diverged_share', 0):.3f}",
+                         values["prompts"], *speeds])
+    return rows
+
+
 def tau_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any], out: Path) -> None:
-    """One row per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where the
-    timing pass did not run that method, e.g. the untrained baseline)."""
     with open(out, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
-                         "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)",
-                         "draft_ms_per_step (timing pass)", "verify_ms_per_step (timing pass)",
-                         "prompts (timing pass)"])
-        for name, result in evaluations.items():
-            for method, values in result["summary"].items():
-                speed = timing["sets"].get(name, {}).get(method)
-                speeds = ([f"{speed['tokens_per_s']:.1f}", f"{speed['speedup_vs_target']:.3f}",
-                           f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
-                          if speed else [""] * 5)
-                writer.writerow([name, method, f"{values.get('tau', 1.0):.3f}",
-                                 f"{values.get('diverged_share', 0):.3f}", values["prompts"], *speeds])
+        writer.writerow(TAU_COLUMNS)
+        writer.writerows(tau_rows(evaluations, timing))
+
+
+def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
+    """The tau/speedup table as aligned text, for the terminal."""
+    rows = [list(TAU_COLUMNS)] + [[str(value) for value in row] for row in tau_rows(evaluations, timing)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TAU_COLUMNS))]
+    return "\n".join("  ".join(value.ljust(width) if i < 2 else value.rjust(width)
+                               for i, (value, width) in enumerate(zip(row, widths, strict=True))).rstrip()
+                     for row in rows)
 
 
 def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:
@@ -119,3 +146,35 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
     identity = json.loads((Path(target_dir) / "identity.json").read_text())
     return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
             "target": identity, "packages": packages}
+
+
+def run_directory(configs: list[Path]) -> Path:
+    """results/<run> of a config (later files override earlier ones, as with snakemake --configfile)."""
+    import yaml
+
+    config: dict[str, Any] = {}
+    for path in configs:
+        config |= yaml.safe_load(Path(path).read_text())
+    return Path(config["results_dir"]) / config["run"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print tau and speedup per prompt set and method of a run.")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("run_dir", nargs="?", type=Path, help="results/<run>")
+    where.add_argument("--config", nargs="+", type=Path, help="the run's config file(s), e.g. config/config.yaml")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir or run_directory(args.config)
+    paths = sorted((run_dir / "evaluation").glob("*.json"))
+    if not paths:
+        print(f"{run_dir / 'evaluation'}: no evaluation results yet", file=sys.stderr)
+        return 1
+    timing_path = run_dir / TIMING_FILE
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    print(f"tau and speedup ({run_dir / 'evaluation'}; speeds from {timing_path}):\n"
+          f"{headline_table(read_evaluations(paths), timing)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

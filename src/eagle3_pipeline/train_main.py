@@ -11,8 +11,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from . import logs
+from . import hidden_store, logs, zarr_io
 from .train import settings_from_config, summary, train
+
+# Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
+DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)
+
+
+def data_error_line(error: Exception) -> str:
+    """The error's own line; a DataLoader worker's error arrives with the worker's traceback prepended and
+    its own `module.Class: message` line last."""
+    last = str(error).strip().splitlines()[-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last.removeprefix(prefix)
 
 
 def run(args: dict) -> None:
@@ -27,8 +38,13 @@ def run(args: dict) -> None:
         dist.init_process_group(backend)
     try:
         settings = settings_from_config(args["settings"])
-        model = train([Path(p) for p in args["stores"]], Path(args["target"]), Path(args["vocab"]),
-                      Path(args["state_dir"]), settings, heldout_paths=[Path(p) for p in args.get("heldout", [])])
+        try:
+            model = train([Path(p) for p in args["stores"]], Path(args["target"]), Path(args["vocab"]),
+                          Path(args["state_dir"]), settings,
+                          heldout_paths=[Path(p) for p in args.get("heldout", [])])
+        except DATA_ERRORS as error:
+            log.error("training stopped: %s", data_error_line(error))
+            raise SystemExit(1) from None
         if rank == 0:
             weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
             partial = Path(args["weights"] + ".partial")

@@ -72,6 +72,20 @@ def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -
     return [*pieces, index_bytes, crc32c_bytes(index_bytes)]  # written one after another: no joined copy
 
 
+def stored_chunk_checksums(shard_file: Path, chunks_per_shard: int) -> bytes:
+    """The crc32c each stored chunk of a zarr shard file ends with, in chunk order: an identity of the file's
+    data that reads a few bytes per chunk (the index, then 4 bytes per chunk), not the whole file."""
+    with open(shard_file, "rb") as handle:
+        handle.seek(-(16 * chunks_per_shard + CHECKSUM_BYTES), os.SEEK_END)
+        index = np.frombuffer(handle.read(16 * chunks_per_shard), dtype="<u8").reshape(-1, 2)
+        checksums = []
+        for offset, size in index:
+            if offset != EMPTY_CHUNK:
+                handle.seek(int(offset + size) - CHECKSUM_BYTES)
+                checksums.append(handle.read(CHECKSUM_BYTES))
+    return b"".join(checksums)
+
+
 def write_whole_shard(array_dir: Path, shard_index: int, trailing_dims: int, pieces: list[bytes]) -> None:
     """Write a shard file under zarr's default key encoding (c/<i>/0/...), atomically."""
     key = Path(array_dir, "c", str(shard_index), *(["0"] * trailing_dims))

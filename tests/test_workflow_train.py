@@ -1,0 +1,114 @@
+"""Training through the real snakemake CLI: what a rerun resumes, retrains, and refuses.
+
+One base run (target, data, extraction) is copied for each test (file times and Snakemake's metadata
+included), so each test starts where the training stage would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_pipeline import hidden_store
+
+from .conftest import run_snakemake, snakemake_command
+from .test_extraction import flip_bytes_inside_a_chunk
+from .test_workflow_report import tiny_run_config
+
+pytestmark = pytest.mark.workflow
+WEIGHTS = "results/tiny/train/drafter.safetensors"
+STATE = "results/tiny/train_state"
+LOG = "logs/tiny/train.log"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, target_dir):
+    """A workdir with the hidden stores and draft vocab built; the config trains for ~18 steps."""
+    workdir = tmp_path_factory.mktemp("prepared")
+    config = tiny_run_config(workdir, target_dir)
+    config["train"] = {**config["train"], "epochs": 1, "batch_tokens": 256, "checkpoint_every": 3}
+    run_snakemake(workdir, config, "results/tiny/hidden/shard-00000.zarr", "results/tiny/hidden/shard-00001.zarr",
+                  "results/tiny/vocab/draft_vocab.safetensors")
+    return workdir, config
+
+
+def copy_of(prepared, tmp_path):
+    workdir, config = prepared
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, symlinks=True)  # keeps file times: nothing upstream of train reruns
+    return copy, {key: dict(value) if isinstance(value, dict) else value for key, value in config.items()}
+
+
+def weights(workdir) -> dict[str, torch.Tensor]:
+    return load_file(str(workdir / WEIGHTS))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_changed_settings_retrain_and_minus_r_trains_from_step_0(prepared, tmp_path):
+    workdir, config = copy_of(prepared, tmp_path)
+    first = run_snakemake(workdir, config, WEIGHTS)
+    assert "rule train" in first.stdout + first.stderr and "rule extract" not in first.stdout + first.stderr
+    before = weights(workdir)
+
+    old_rate = config["train"]["learning_rate"]
+    config["train"] = {**config["train"], "learning_rate": 1e-3, "seed": 1}
+    run_snakemake(workdir, config, WEIGHTS)
+    log = (workdir / LOG).read_text()
+    assert f"changed since it was written: train.learning_rate: {old_rate!r} -> 0.001; train.seed: 0 -> 1" in log
+    assert "training from step 0" in log
+    assert "step 1/" in log
+    changed = weights(workdir)
+    assert not same(before, changed)
+
+    forced = run_snakemake(workdir, config, WEIGHTS, "-R", "train")
+    assert "rule train" in forced.stdout + forced.stderr
+    log = (workdir / LOG).read_text()
+    assert "it is the end of a finished run" in log and "step 1/" in log
+    assert same(changed, weights(workdir))  # trained again from scratch, deterministically
+
+
+def test_a_killed_training_resumes_bit_identically(prepared, tmp_path):
+    interrupted, config = copy_of(prepared, tmp_path / "interrupted")
+    straight, _ = copy_of(prepared, tmp_path / "straight")
+    checkpoint = interrupted / STATE / "checkpoint.pt"
+    process = subprocess.Popen(snakemake_command(interrupted, config, WEIGHTS), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not checkpoint.exists() and process.poll() is None:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert checkpoint.exists() and not (interrupted / WEIGHTS).exists(), "the kill did not land during training"
+
+    run_snakemake(interrupted, config, "--unlock")
+    run_snakemake(interrupted, config, WEIGHTS)
+    log = (interrupted / LOG).read_text()
+    assert "resuming from" in log and "training from step 0" not in log
+    run_snakemake(straight, config, WEIGHTS)
+    assert same(weights(interrupted), weights(straight))
+    assert (interrupted / "results/tiny/train/metrics.csv").read_text().count("\n") == \
+        (straight / "results/tiny/train/metrics.csv").read_text().count("\n")
+
+
+def test_a_corrupt_chunk_stops_training_naming_store_array_and_chunk(prepared, tmp_path):
+    workdir, config = copy_of(prepared, tmp_path)
+    store = workdir / "results/tiny/hidden/shard-00001.zarr"
+    attrs = hidden_store.validate(store)
+    chunk = flip_bytes_inside_a_chunk(store / "aux_hidden_states", 0, attrs["rows_per_shard"] // attrs["chunk_rows"])
+    result = run_snakemake(workdir, config, WEIGHTS, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and not (workdir / WEIGHTS).exists()
+    line = (f"training stopped: {store.relative_to(workdir)}: array aux_hidden_states, chunk {chunk} (rows "
+            f"{chunk * attrs['chunk_rows']}-")
+    assert line in output and "(checksum mismatch); delete the store" in output
+    assert line in (workdir / LOG).read_text()
+    assert "Traceback" not in output
