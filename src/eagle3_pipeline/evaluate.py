@@ -163,7 +163,9 @@ class DrafterProposer:
         new_tokens = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
         positions = torch.arange(self.done, self.done + width, device=self.device)[None]
         hidden = features[self.done:n].to(self.device, dtype)
-        hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])[None]
+        if width > new:
+            hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
+        hidden = hidden[None]
         if self.static:
             self._reserve(max(self.done + width, n + k))
         logits, hidden, self.cache = self._decode(new_tokens, hidden, positions, compiled=width == k + 1)
