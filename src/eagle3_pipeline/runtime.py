@@ -90,15 +90,14 @@ class TargetRuntime:
             return self._run(self.model.forward, tokens, cache)
         padded = tokens + [tokens[-1]] * (width - n)
         if self.step is not None:
-            before = int(cache.get_seq_length())
             try:
                 logits, aux = self._run(self.step, padded, cache)
             except Exception as exc:  # no Triton, unsupported op, compiler error: decode eagerly instead
+                # (compilation fails before the step runs, so the cache is as it was)
                 if self.log is not None:
                     self.log.warning("compiled target step failed (%s: %s); decoding eagerly", type(exc).__name__,
                                      str(exc)[:300])
                 self.step = None
-                self.crop(cache, before)
                 logits, aux = self._run(self.model.forward, padded, cache)
             # CUDA-graph outputs are overwritten by the next replay: keep copies of the rows asked for
             logits, aux = logits[:n].clone(), aux[:n].clone()
