@@ -214,3 +214,12 @@ def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_pa
         _, eager_aux = eager.forward(ids, eager.new_cache(len(ids)))
         _, static_aux = static.forward(ids, static.new_cache(len(ids)))
         torch.testing.assert_close(static_aux, eager_aux)
+
+
+def test_compile_auto_means_the_timing_pass_on_cuda():
+    from eagle3_pipeline.runtime import compile_decision
+
+    assert [compile_decision("auto", device, timing)[0] for device, timing in
+            (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True))] == [True, True, False, False]
+    assert compile_decision(True, "cpu", False)[0] and not compile_decision(False, "cuda", True)[0]
+    assert "off on cpu" in compile_decision("auto", "cpu", True)[1]

@@ -491,8 +491,8 @@ class PromptProgress:
 
 # ---------------------------------------------------------------- the rule's job, optionally in worker processes
 
-def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool, log: Any
-                ) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
+def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool, log: Any,
+                timing_pass: bool = False) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
     from . import export, runtime
@@ -507,7 +507,7 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
     if settings["untrained_baseline"]:
         drafters["eagle3-untrained"] = untrained_like(drafter)
     target, tokenizer = runtime.load(target_dir, drafter.config.aux_layer_ids, device, dtype,
-                                     settings.get("compile", "auto"), trust_remote_code, log)
+                                     settings.get("compile", "auto"), timing_pass, trust_remote_code, log)
     return target, tokenizer, drafters
 
 
@@ -601,7 +601,7 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     from .backends.hf import pick_device
 
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings | {"untrained_baseline": False},
-                                              trust_remote_code, log)
+                                              trust_remote_code, log, timing_pass=True)
     timing = settings["timing"]
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], settings["draft_lengths"],
                        timing["max_new_tokens"], settings["dtype"] == "float32", log)

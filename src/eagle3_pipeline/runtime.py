@@ -2,7 +2,7 @@
 
 Two modes:
 - eager (the CPU default): a growing `DynamicCache`, every forward as it comes;
-- static (`evaluate.compile` on; `auto` = on for CUDA): one preallocated transformers `StaticCache`, reused
+- static (`evaluate.compile` on; `auto` = the timing pass on CUDA): one preallocated transformers `StaticCache`, reused
   for every sequence, and the 1-token and (k+1)-token steps through `torch.compile(mode="reduce-overhead")`,
   which captures them in CUDA graphs. Shorter inputs are padded to the next compiled width (the padding
   rows' keys land beyond the sequence, where the causal mask hides them until real rows overwrite them), so
@@ -18,14 +18,17 @@ from typing import Any
 import torch
 
 
-def compile_decision(requested: str | bool, device: str) -> tuple[bool, str]:
-    """(compile?, why): `auto` compiles on CUDA only - on a CPU the compiled step is not faster for a small
-    target and compiling costs minutes of a short run."""
-    if requested == "auto":
-        if device.startswith("cuda"):
-            return True, "evaluate.compile: auto on CUDA"
+def compile_decision(requested: str | bool, device: str, timing_pass: bool) -> tuple[bool, str]:
+    """(compile?, why): `auto` compiles the timing pass on CUDA only. On a CPU the compiled step is not faster
+    for a small target and compiling costs minutes of a short run; the tau pass's many worker processes would
+    each compile at once (minutes of every CPU core), for figures that do not depend on speed."""
+    if requested != "auto":
+        return bool(requested), f"evaluate.compile: {requested}"
+    if not device.startswith("cuda"):
         return False, f"evaluate.compile: auto is off on {device} (eager decoding, dynamic KV cache)"
-    return bool(requested), f"evaluate.compile: {requested}"
+    if not timing_pass:
+        return False, "evaluate.compile: auto compiles the timing pass only (the tau pass decodes eagerly)"
+    return True, "evaluate.compile: auto, timing pass on CUDA"
 
 
 class TargetRuntime:
@@ -123,12 +126,12 @@ class TargetRuntime:
 
 
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
-         trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
+         timing_pass: bool, trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
     """The target (device and dtype as asked, aux capture, compiled where it should be) and its tokenizer."""
     from . import target
 
     tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
     model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    compiled, why = compile_decision(compile_setting, device)
+    compiled, why = compile_decision(compile_setting, device, timing_pass)
     log.info("target step: %s (%s)", "compiled, static KV cache" if compiled else "eager", why)
     return TargetRuntime(model, aux_layer_ids, compiled=compiled, log=log), tokenizer
