@@ -53,7 +53,7 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
   local files=()
   for run in results/smollm2-gpu results/$second_name; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
-             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation report train_state/*.csv \
+             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation timing report \
              serving/drafter/config.json; do
       [ -e "$run/$f" ] && files+=("$run/$f")
     done

@@ -9,6 +9,7 @@ import torch
 
 from eagle3_pipeline import evaluate, export
 from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.runtime import TargetRuntime
 from eagle3_pipeline.target import load_model
 from eagle3_pipeline.train import TrainSettings, read_target_head, train
 
@@ -46,7 +47,7 @@ def trained(tmp_path_factory):
     export.export(model, tmp / "serving", dtype="float32")
     embedding, _ = read_target_head(target_dir)
     drafter = export.load(tmp / "serving", embedding=embedding.float())
-    target = evaluate.Target(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
+    target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store
 
 
@@ -117,14 +118,16 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
     from eagle3_pipeline.hidden_store import HiddenStore
 
     ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
-    _, features = target.forward(ids, target.new_cache())
+    _, features = target.forward(ids, target.new_cache(len(ids)))
     proposer = evaluate.DrafterProposer(drafter)
+    static = evaluate.DrafterProposer(drafter, static=True)  # the compiled path's cache and padding, uncompiled
     k = 5
     for n in (10, 11, 14, 15, 19):  # the real rows grow by 1..4 between calls, as after verify steps
-        drafts, logits = proposer.chain(ids[:n + 1], features[:n], k)
         expected_drafts, expected_logits = vllm_style_chain(drafter, ids[:n + 1], features[:n], k)
-        assert drafts.tolist() == expected_drafts
-        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        for drafter_proposer in (proposer, static):
+            drafts, logits = drafter_proposer.chain(ids[:n + 1], features[:n], k)
+            assert drafts.tolist() == expected_drafts
+            torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
     # the comparison can fail: the old rule (chain rows at the last real position) gives other logits
     _, old_logits = vllm_style_chain(drafter, ids[:20], features[:19], k, advance=0)
     assert torch.equal(old_logits[0], expected_logits[0])
@@ -187,3 +190,36 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
         for method, speed in speeds.items():
             assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless
             assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])
+
+
+def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_path):
+    from eagle3_pipeline.target import load_tokenizer
+
+    model = load_model(target_dir, "cpu", torch.float32)
+    tokenizer = load_tokenizer(target_dir)
+    eager = TargetRuntime(model, [2, 15, 27])
+    static = TargetRuntime(model, [2, 15, 27], static=True)  # what the compiled step runs, uncompiled
+    static.prepare([3])
+    drafter = export.load(smollm2_serving_dir(target_dir, tmp_path / "serving"),
+                          embedding=model.get_input_embeddings().weight.detach())
+    prompts = [evaluate.Prompt("long", [{"role": "user", "content": "Write a long story about a red fox."}]),
+               evaluate.Prompt("short", [{"role": "user", "content": "Hi"}])]  # the reused cache is reset
+    for pid, ids in evaluate.encode_prompts(tokenizer, prompts):
+        reference = evaluate.greedy(eager, ids, 16, set(), pid)
+        assert evaluate.greedy(static, ids, 16, set(), pid).tokens == reference.tokens
+        # speculative steps: 1..k+1 tokens padded to k+1, rejected rows cropped
+        for name, propose in (("prompt-lookup", prompt_lookup()), ("eagle3", evaluate.DrafterProposer(drafter))):
+            trace = evaluate.speculative(static, propose, ids, 3, 16, set(), pid, name)
+            evaluate.check_lossless(trace, reference)
+        _, eager_aux = eager.forward(ids, eager.new_cache(len(ids)))
+        _, static_aux = static.forward(ids, static.new_cache(len(ids)))
+        torch.testing.assert_close(static_aux, eager_aux)
+
+
+def test_compile_auto_means_the_timing_pass_on_cuda():
+    from eagle3_pipeline.runtime import compile_decision
+
+    assert [compile_decision("auto", device, timing)[0] for device, timing in
+            (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True))] == [True, True, False, False]
+    assert compile_decision(True, "cpu", False)[0] and not compile_decision(False, "cuda", True)[0]
+    assert "off on cpu" in compile_decision("auto", "cpu", True)[1]

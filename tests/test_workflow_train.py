@@ -29,12 +29,13 @@ LOG = "logs/tiny/train.log"
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, target_dir):
-    """A workdir with the hidden stores and draft vocab built; the config trains for ~18 steps."""
+    """A workdir with the hidden stores (the held-out one too) and draft vocab built; the config trains for
+    ~18 steps."""
     workdir = tmp_path_factory.mktemp("prepared")
     config = tiny_run_config(workdir, target_dir)
     config["train"] = {**config["train"], "epochs": 1, "batch_tokens": 256, "checkpoint_every": 3}
     run_snakemake(workdir, config, "results/tiny/hidden/shard-00000.zarr", "results/tiny/hidden/shard-00001.zarr",
-                  "results/tiny/vocab/draft_vocab.safetensors")
+                  "results/tiny/hidden/shard-heldout.zarr", "results/tiny/vocab/draft_vocab.safetensors")
     return workdir, config
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -35,7 +34,8 @@ import torch
 
 from . import journal
 from .logs import Progress
-from .model import Drafter
+from .model import Drafter, StaticKV
+from .runtime import TargetRuntime
 
 
 class LosslessViolation(AssertionError):
@@ -99,45 +99,6 @@ def load_prompts(path: Path, limit: int | None, multi_turn: bool = False) -> lis
     return prompts
 
 
-# ---------------------------------------------------------------- the target with aux capture
-
-class Target:
-    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int]):
-        self.model = model.eval()
-        self.device = next(model.parameters()).device
-        # transformers renamed `past_key_values` to `cache` (5.2x; the old name goes in 5.40)
-        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        layers = model.get_decoder().layers
-        self.captured: dict[int, torch.Tensor] = {}
-        for slot, index in enumerate(aux_layer_ids):
-            layers[index - 1].register_forward_hook(self._hook(slot))
-
-    def _hook(self, slot: int):
-        def capture(_module, _inputs, output):
-            self.captured[slot] = output[0] if isinstance(output, tuple) else output
-        return capture
-
-    @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, V] and aux features [n, 3H] for `tokens` appended to the cache."""
-        ids = torch.tensor([tokens], device=self.device)
-        output = self.model(input_ids=ids, use_cache=True, **{self.cache_argument: cache})
-        aux = torch.cat([self.captured[s][0] for s in range(3)], dim=-1)
-        return output.logits[0], aux
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache()
-
-
-def crop_cache(cache: Any, keep: int) -> None:
-    """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -145,10 +106,10 @@ def synchronize(device: torch.device) -> None:
 
 # ---------------------------------------------------------------- decoding loops
 
-def greedy(target: Target, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
+def greedy(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
     trace = Trace(prompt_id, "target", [])
     start = time.perf_counter()
-    cache = target.new_cache()
+    cache = target.new_cache(len(prompt_ids) + max_new)
     logits, _ = target.forward(prompt_ids, cache)
     token = int(logits[-1].argmax())
     trace.tokens.append(token)
@@ -167,13 +128,21 @@ DraftFn = Callable[[list[int], torch.Tensor, int], list[int]]
 
 
 class DrafterProposer:
-    """Chain drafts from an EAGLE-3 drafter, keeping its KV cache of real rows across verify steps."""
+    """Chain drafts from an EAGLE-3 drafter, keeping its KV cache of real rows across verify steps.
 
-    def __init__(self, drafter: Drafter):
+    `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so a
+    compiled (`compiled`: CUDA-graph) step sees two shapes only - k + 1 real rows and one chain row. Padding
+    rows sit beyond the last real position, where the chain and the next step overwrite them."""
+
+    def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
-        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cache: tuple[torch.Tensor, torch.Tensor] | StaticKV | None = None
         self.done = 0  # rows (f_t, x_{t+1}) already in the cache
+        self.static = static or compiled
+        self.static_cache: StaticKV | None = None
+        self.step = torch.compile(drafter.decode, mode="reduce-overhead", dynamic=False) if compiled else None
+        self.log = log
 
     def reset(self) -> None:
         self.cache, self.done = None, 0
@@ -194,25 +163,59 @@ class DrafterProposer:
         feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
         n = features.shape[0]
+        new = n - self.done
+        width = k + 1 if self.static and new <= k + 1 else new
         dtype = self.drafter.fc.weight.dtype
-        new_tokens = torch.tensor([context[self.done + 1: n + 1]], device=self.device)
-        positions = torch.arange(self.done, n, device=self.device)[None]
-        hidden = features[self.done:n][None].to(self.device, dtype)
-        logits, hidden, self.cache = self.drafter.decode(new_tokens, hidden, positions, self.cache)
+        tokens = context[self.done + 1: n + 1]
+        new_tokens = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
+        positions = torch.arange(self.done, self.done + width, device=self.device)[None]
+        hidden = features[self.done:n].to(self.device, dtype)
+        if width > new:
+            hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
+        hidden = hidden[None]
+        if self.static:
+            self._reserve(max(self.done + width, n + k))
+        logits, hidden, self.cache = self._decode(new_tokens, hidden, positions, compiled=width == k + 1)
         self.done = n
         real = self.cache
-        hidden, logits = hidden[:, -1:], logits[0, -1]
+        hidden, logits = hidden[:, new - 1:new], logits[0, new - 1]
         token = self.drafter.draft_to_target(logits.argmax())
         drafts, chain_logits = [token], [logits]
         for step in range(1, k):
-            position = positions[:, -1:] + step
-            logits, hidden, self.cache = self.drafter.decode(token.view(1, 1), hidden, position, self.cache)
+            position = torch.full((1, 1), n - 1 + step, device=self.device)
+            logits, hidden, self.cache = self._decode(token.view(1, 1), hidden, position, compiled=True)
             logits = logits[0, -1]
             token = self.drafter.draft_to_target(logits.argmax())
             drafts.append(token)
             chain_logits.append(logits)
         self.cache = real  # chain rows are speculative; the next call appends the verified real rows
         return torch.stack(drafts), torch.stack(chain_logits)
+
+    def _reserve(self, rows: int) -> None:
+        """A static cache of at least `rows` slots (powers of two: few sizes, few recompilations)."""
+        if self.static_cache is None or self.static_cache.capacity < rows:
+            grown = StaticKV.empty(self.drafter.config, 1 << max(8, (rows - 1).bit_length()), self.device,
+                                   self.drafter.fc.weight.dtype)
+            if self.static_cache is not None:
+                kept = self.static_cache.capacity
+                grown.keys[:, :, :kept] = self.static_cache.keys
+                grown.values[:, :, :kept] = self.static_cache.values
+            self.static_cache = grown
+        self.cache = self.static_cache
+
+    def _decode(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, compiled: bool):
+        if self.step is None or not compiled:
+            return self.drafter.decode(ids, hidden, positions, self.cache)
+        try:
+            logits, hidden, cache = self.step(ids, hidden, positions, self.cache)
+        except Exception as exc:  # no Triton, unsupported op, compiler error: draft eagerly instead
+            if self.log is not None:
+                self.log.warning("compiled drafter step failed (%s: %s); drafting eagerly", type(exc).__name__,
+                                 str(exc)[:300])
+            self.step = None  # rows are written at their positions, so running the step again is harmless
+            return self.drafter.decode(ids, hidden, positions, self.cache)
+        # CUDA-graph outputs are overwritten by the next replay: keep copies
+        return logits.clone(), hidden.clone(), cache
 
 
 def prompt_lookup(max_ngram: int = 3) -> DraftFn:
@@ -231,11 +234,11 @@ def prompt_lookup(max_ngram: int = 3) -> DraftFn:
     return propose
 
 
-def speculative(target: Target, propose: DraftFn, prompt_ids: list[int], k: int, max_new: int, eos: set[int],
+def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], k: int, max_new: int, eos: set[int],
                 prompt_id: str, method: str) -> Trace:
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
-    cache = target.new_cache()
+    cache = target.new_cache(len(prompt_ids) + max_new + k + 1)
     logits, features = target.forward(prompt_ids, cache)
     context = list(prompt_ids) + [int(logits[-1].argmax())]
     trace.tokens.append(context[-1])
@@ -257,7 +260,7 @@ def speculative(target: Target, propose: DraftFn, prompt_ids: list[int], k: int,
         trace.accepted.append(accepted)
         trace.drafted.append(len(drafts))
         new = drafts[:accepted] + [predictions[accepted]]
-        crop_cache(cache, n + accepted + 1)
+        target.crop(cache, n + accepted + 1)
         features = torch.cat([features, new_features[: accepted + 1]])
         for token in new:
             context.append(token)
@@ -345,8 +348,9 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
     return [(pid, list(ids["input_ids"] if isinstance(ids, dict) else ids)) for pid, ids in encoded]
 
 
-def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter], ks: list[int],
-               max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None], strict: bool = True) -> None:
+def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter],
+               ks: list[int], max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None],
+               strict: bool = True) -> None:
     """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
     ...) as soon as the prompt is done. With `strict` (fp32), lossless is checked here; in low precision
     divergence is counted afterwards (`divergence`).
@@ -354,7 +358,8 @@ def decode_all(target: Target, tokenizer: Any, prompts: list[Prompt], drafters: 
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table(drafters, ks)
+    methods = method_table(drafters, ks, target.compiled, log)
+    target.prepare(ks)
     progress = Progress(log, "prompts (all methods)", len(prompts))
     for pid, ids in encode_prompts(tokenizer, prompts):
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
@@ -366,19 +371,21 @@ def end_of_sequence(tokenizer: Any) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
-def method_table(drafters: dict[str, Drafter], ks: list[int]) -> dict[str, tuple[DraftFn, int]]:
-    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", ...): each with its proposer and k."""
+def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None
+                 ) -> dict[str, tuple[DraftFn, int]]:
+    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", ...): each with its proposer and k.
+    `compiled`: drafters decode with a static cache through a compiled step, like the target."""
     methods: dict[str, tuple[DraftFn, int]] = {}
     for k in ks:
         methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
         for name, drafter in drafters.items():
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
-            methods[f"{name}@k={k}"] = (DrafterProposer(drafter), k)
+            methods[f"{name}@k={k}"] = (DrafterProposer(drafter, compiled=compiled, log=log), k)
     return methods
 
 
-def decode_prompt(target: Target, methods: dict[str, tuple[DraftFn, int]], prompt_id: str, ids: list[int],
+def decode_prompt(target: TargetRuntime, methods: dict[str, tuple[DraftFn, int]], prompt_id: str, ids: list[int],
                   max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
     """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`."""
     reference = greedy(target, ids, max_new, eos, prompt_id)
@@ -392,13 +399,14 @@ def decode_prompt(target: Target, methods: dict[str, tuple[DraftFn, int]], promp
     return finished
 
 
-def timing_pass(target: Target, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
+def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
                 ks: list[int], max_new: int, strict: bool, log: Any) -> dict[str, dict[str, Any]]:
     """Speeds, per prompt set and method, measured in this one process (run it with nothing else of ours on the
     device): every method on the same prompt back to back, after a warm-up run of every method that is not
     counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table({"eagle3": drafter}, ks)
+    methods = method_table({"eagle3": drafter}, ks, target.compiled, log)
+    target.prepare(ks)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     warm_up_ids = next(iter(encoded.values()))[0][1]
     decode_prompt(target, methods, "warm-up", warm_up_ids, min(max_new, 16), eos, strict)
@@ -490,23 +498,24 @@ class PromptProgress:
 
 # ---------------------------------------------------------------- the rule's job, optionally in worker processes
 
-def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool
-                ) -> tuple[Target, Any, dict[str, Drafter]]:
-    """The target (with aux capture), its tokenizer and the drafters, all loaded from disk as a server would."""
-    from . import export, target
+def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], trust_remote_code: bool, log: Any,
+                timing_pass: bool = False) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
+    """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
+    all loaded from disk as a server would."""
+    from . import export, runtime
     from .backends.hf import pick_device
     from .train import read_target_head
 
     device = pick_device(settings["device"])
     dtype = getattr(torch, settings["dtype"])
-    tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
-    model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     embedding, _ = read_target_head(target_dir)
     drafter = export.load(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
     drafters = {"eagle3": drafter}
     if settings["untrained_baseline"]:
         drafters["eagle3-untrained"] = untrained_like(drafter)
-    return Target(model, drafter.config.aux_layer_ids), tokenizer, drafters
+    target, tokenizer = runtime.load(target_dir, drafter.config.aux_layer_ids, device, dtype,
+                                     settings.get("compile", "auto"), timing_pass, trust_remote_code, log)
+    return target, tokenizer, drafters
 
 
 def worker_main(job_path: Path) -> None:
@@ -525,7 +534,7 @@ def worker_main(job_path: Path) -> None:
 
 def _decode(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: dict[str, Any],
             trust_remote_code: bool, progress: PromptProgress, log: Any) -> None:
-    target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code)
+    target, tokenizer, drafters = load_models(target_dir, serving_dir, settings, trust_remote_code, log)
     decode_all(target, tokenizer, prompts, drafters, settings["draft_lengths"], settings["max_new_tokens"], log,
                on_prompt=progress.appender(prompts), strict=settings["dtype"] == "float32")
 
@@ -599,7 +608,7 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     from .backends.hf import pick_device
 
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings | {"untrained_baseline": False},
-                                              trust_remote_code)
+                                              trust_remote_code, log, timing_pass=True)
     timing = settings["timing"]
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], settings["draft_lengths"],
                        timing["max_new_tokens"], settings["dtype"] == "float32", log)

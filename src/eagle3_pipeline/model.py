@@ -78,6 +78,26 @@ class DrafterConfig:
 KVCache = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, kv_heads, T, head_dim]
 
 
+@dataclass
+class StaticKV:
+    """A fixed-capacity drafter KV cache for compiled (CUDA-graph) decoding: the row at rotary position p lives
+    in slot p, so slots beyond a query's position are masked, and stale ones are overwritten when reached."""
+    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim]
+    values: torch.Tensor
+
+    @classmethod
+    def empty(cls, config: DrafterConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> StaticKV:
+        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
+        cache = cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        for tensor in (cache.keys, cache.values):  # updated in place: CUDA graphs need fixed addresses
+            torch._dynamo.mark_static_address(tensor)
+        return cache
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -168,6 +188,17 @@ class Attention(nn.Module):
         mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=cached)
         out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
+
+    def decode_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKV,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """`decode` into a StaticKV: rows written at their positions [T]; each attends to slots <= its position."""
+        batch, length, _ = x.shape
+        q, k, v = self._project(x, cos, sin)
+        cache.keys.index_copy_(2, positions, k)
+        cache.values.index_copy_(2, positions, v)
+        mask = torch.arange(cache.capacity, device=x.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(q, self._repeat(cache.keys), self._repeat(cache.values), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def _ttt_attention(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Reference TTT attention (CPU, and the check for the flex kernel): explicit scores."""
@@ -285,15 +316,19 @@ class Drafter(nn.Module):
         return self.lm_head(self.norm(hidden)), hidden
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past: KVCache | None = None):
-        """Inference step with a KV cache (what a server runs): returns (logits, pre-norm hidden, new cache)."""
+               past: KVCache | StaticKV | None = None):
+        """Inference step with a KV cache (what a server runs): returns (logits, pre-norm hidden, new cache).
+        A StaticKV is updated in place (batch 1) and returned as is."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         layer = self.midlayer
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        attended, cache = layer.self_attn.decode(x, cos, sin, past)
+        if isinstance(past, StaticKV):
+            attended, cache = layer.self_attn.decode_static(x, cos, sin, past, positions[0]), past
+        else:
+            attended, cache = layer.self_attn.decode(x, cos, sin, past)
         hidden = hidden + attended
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.norm(hidden)), hidden, cache

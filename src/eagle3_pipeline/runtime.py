@@ -1,0 +1,137 @@
+"""The target at decode time: loading with the device/dtype policy, aux-layer capture, its KV cache and step.
+
+Two modes:
+- eager (the CPU default): a growing `DynamicCache`, every forward as it comes;
+- static (`evaluate.compile` on; `auto` = the timing pass on CUDA): one preallocated transformers `StaticCache`, reused
+  for every sequence, and the 1-token and (k+1)-token steps through `torch.compile(mode="reduce-overhead")`,
+  which captures them in CUDA graphs. Shorter inputs are padded to the next compiled width (the padding
+  rows' keys land beyond the sequence, where the causal mask hides them until real rows overwrite them), so
+  each width is captured once. Prefills (any length) run uncompiled into the same cache.
+Where compilation fails the runtime logs why and continues eagerly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+def compile_decision(requested: str | bool, device: str, timing_pass: bool) -> tuple[bool, str]:
+    """(compile?, why): `auto` compiles the timing pass on CUDA only. On a CPU the compiled step is not faster
+    for a small target and compiling costs minutes of a short run; the tau pass's many worker processes would
+    each compile at once (minutes of every CPU core), for figures that do not depend on speed."""
+    if requested != "auto":
+        return bool(requested), f"evaluate.compile: {requested}"
+    if not device.startswith("cuda"):
+        return False, f"evaluate.compile: auto is off on {device} (eager decoding, dynamic KV cache)"
+    if not timing_pass:
+        return False, "evaluate.compile: auto compiles the timing pass only (the tau pass decodes eagerly)"
+    return True, "evaluate.compile: auto, timing pass on CUDA"
+
+
+class TargetRuntime:
+    """`forward(tokens, cache)` -> logits [n, V] and aux features [n, 3H] of `tokens` appended to `cache`."""
+
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int], static: bool = False,
+                 compiled: bool = False, log: Any = None):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.log = log
+        # transformers renamed `past_key_values` to `cache` (5.2x; the old name goes in 5.40)
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        layers = model.get_decoder().layers
+        self.captured: dict[int, torch.Tensor] = {}
+        self.aux_count = len(aux_layer_ids)
+        for slot, index in enumerate(aux_layer_ids):
+            layers[index - 1].register_forward_hook(self._hook(slot))
+        self.static = static or compiled
+        self.static_cache: Any = None
+        self.widths: list[int] = [1]  # input lengths the static step pads to (and compiles for)
+        self.step = None
+        if compiled:
+            # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        return self.step is not None
+
+    def _hook(self, slot: int):
+        def capture(_module, _inputs, output):
+            self.captured[slot] = output[0] if isinstance(output, tuple) else output
+        return capture
+
+    def prepare(self, draft_lengths: list[int]) -> None:
+        """Verify widths to expect: k + 1 for every draft length k."""
+        self.widths = sorted({1, *(k + 1 for k in draft_lengths)})
+
+    @torch.inference_mode()  # the cache's tensors are inference tensors: update them only in inference mode
+    def new_cache(self, capacity: int) -> Any:
+        """An empty KV cache for a sequence of at most `capacity` tokens (the static one is reused)."""
+        if not self.static:
+            from transformers import DynamicCache
+
+            return DynamicCache()
+        capacity += max(self.widths)  # room for the padding rows of the last step
+        if self.static_cache is None or self.static_cache.get_max_length() < capacity:
+            from transformers import StaticCache
+
+            size = 1 << max(8, (capacity - 1).bit_length())  # powers of two: few sizes, few recompilations
+            self.static_cache = StaticCache(config=self.model.config, max_cache_len=size)
+        else:
+            self.static_cache.reset()
+        return self.static_cache
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(tokens)
+        width = next((w for w in self.widths if w >= n), None) if self.static else None
+        if width is None:  # eager mode, or a prefill
+            return self._run(self.model.forward, tokens, cache)
+        padded = tokens + [tokens[-1]] * (width - n)
+        if self.step is not None:
+            try:
+                logits, aux = self._run(self.step, padded, cache)
+            except Exception as exc:  # no Triton, unsupported op, compiler error: decode eagerly instead
+                # (compilation fails before the step runs, so the cache is as it was)
+                if self.log is not None:
+                    self.log.warning("compiled target step failed (%s: %s); decoding eagerly", type(exc).__name__,
+                                     str(exc)[:300])
+                self.step = None
+                logits, aux = self._run(self.model.forward, padded, cache)
+            # CUDA-graph outputs are overwritten by the next replay: keep copies of the rows asked for
+            logits, aux = logits[:n].clone(), aux[:n].clone()
+        else:
+            logits, aux = self._run(self.model.forward, padded, cache)
+            logits, aux = logits[:n], aux[:n]
+        if width > n:
+            cache.crop(n - width)  # forget the padding rows (a negative count means "remove")
+        return logits, aux
+
+    def _run(self, forward: Any, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([tokens], device=self.device)
+        output = forward(input_ids=ids, use_cache=True, **{self.cache_argument: cache})
+        aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
+        return output.logits[0], aux
+
+    @torch.inference_mode()
+    def crop(self, cache: Any, keep: int) -> None:
+        """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
+        extra = int(cache.get_seq_length()) - keep
+        if extra > 0:
+            cache.crop(-extra)
+
+
+def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
+         timing_pass: bool, trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
+    """The target (device and dtype as asked, aux capture, compiled where it should be) and its tokenizer."""
+    from . import target
+
+    tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
+    model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    compiled, why = compile_decision(compile_setting, device, timing_pass)
+    log.info("target step: %s (%s)", "compiled, static KV cache" if compiled else "eager", why)
+    return TargetRuntime(model, aux_layer_ids, compiled=compiled, log=log), tokenizer
