@@ -1,0 +1,89 @@
+"""Decode speed of the evaluator's target runtime: eager (dynamic KV cache) vs compiled (static KV cache, CUDA
+graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain's cost per verify step.
+
+    python benchmarks/bench_decode.py --target smollm2-gguf [--prompts 10] [--max-new 128] [--tau 1.715]
+
+The drafter is untrained (random weights, the target's shape and embedding): its acceptance is ~0, so the
+timing pass's speedup for it means nothing, but its per-step drafting time is what a trained drafter costs.
+With --tau (a tau measured by the evaluation, e.g. this session's MT-bench k=4), the projected speedup of a
+drafter with that tau is printed: tau x (target ms per token) / (draft + verify ms per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from eagle3_pipeline import assets, evaluate, runtime, target
+from eagle3_pipeline.model import Drafter, DrafterConfig
+from eagle3_pipeline.train import read_target_head
+
+
+def target_directory(source: str, scratch: Path) -> Path:
+    path = assets.resolve(source)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    target.materialise(source, scratch / "target")
+    return scratch / "target"
+
+
+def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype) -> Drafter:
+    config = target.load_config(target_dir)
+    layers = config.num_hidden_layers
+    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab, [2, layers // 2, layers - 3]))
+    embedding, _ = read_target_head(target_dir)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embedding.float())
+    return drafter.to(device, dtype).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="smollm2-gguf", help="alias, .gguf file or HF directory")
+    parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns")
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--tau", type=float, help="a measured tau at this k, for the projected speedup")
+    parser.add_argument("--eager-only", action="store_true", help="skip the compiled runtime (a CPU smoke run)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log = logging.getLogger("bench_decode")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = evaluate.load_prompts(assets.resolve("mtbench-package"), args.prompts)
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as scratch:
+        target_dir = target_directory(args.target, Path(scratch))
+        tokenizer = target.load_tokenizer(target_dir)
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            rates = {}
+            for compiled in (False, True) if not args.eager_only else (False,):
+                model = target.load_model(target_dir, device=device, dtype=dtype)
+                drafter = untrained_drafter(target_dir, 16384, device, dtype)
+                decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=compiled, log=log)
+                result = evaluate.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
+                                              args.max_new, False, log)["mtbench"]
+                mode = "compiled, static cache" if decoder.compiled else "eager"
+                only, chain = result["target"], result[f"eagle3@k={args.k}"]
+                rates[compiled] = only["tokens_per_s"]
+                print(f"{dtype_name} [{mode}]: target-only {only['tokens_per_s']:.1f} tokens/s "
+                      f"({1000 / only['tokens_per_s']:.2f} ms per token); per step: drafter chain of {args.k} "
+                      f"{chain['draft_ms_per_step']:.2f} ms, verify of {args.k + 1} "
+                      f"{chain['verify_ms_per_step']:.2f} ms", flush=True)
+                if args.tau:
+                    per_step = chain["draft_ms_per_step"] + chain["verify_ms_per_step"]
+                    print(f"  projected speedup of a drafter with tau {args.tau}: "
+                          f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
+                del model, drafter, decoder
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            if True in rates:
+                print(f"{dtype_name}: compiled / eager target-only = {rates[True] / rates[False]:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
