@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .families import UnsupportedTarget, drafter_rope, target_support_problem, text_config
+
 
 @dataclass
 class DrafterConfig:
@@ -46,29 +48,30 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
-        config = getattr(target_config, "text_config", target_config)
-        heads = config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-            scaling = None
+        """From the target's transformers config (or its config.json as a dict); UnsupportedTarget when no drafter
+        that SGLang/vLLM serve can be built for it (see `target_support_problem`)."""
+        config = text_config(target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config))
+        problem = target_support_problem(config)
+        if problem:
+            raise UnsupportedTarget(problem)
+        heads = config["num_attention_heads"]
+        theta, scaling = drafter_rope(config)
         return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=getattr(config, "num_key_value_heads", heads),
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            vocab_size=config.vocab_size,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
             draft_vocab_size=draft_vocab_size,
-            target_hidden_size=config.hidden_size,
+            target_hidden_size=config["hidden_size"],
             aux_layer_ids=list(aux_layer_ids),
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta),
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=config.max_position_embeddings,
-            extra={k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                   if getattr(config, k, None) is not None},
+            max_position_embeddings=config["max_position_embeddings"],
+            extra={k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if config.get(k) is not None},
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,7 +107,7 @@ def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
         medium = (wavelength <= original / low) & (wavelength >= original / high)
         inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif scaling:
-        raise NotImplementedError(f"rope scaling {scaling} is not supported by the drafter yet")
+        raise UnsupportedTarget(f"rope scaling {scaling} is not supported by the drafter")
     return inv_freq.float()
 
 

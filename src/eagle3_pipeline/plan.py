@@ -231,7 +231,7 @@ def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], dat
                     hidden_size_unknown=not hidden_size)
 
 
-def _target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
+def target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
     """The target's config.json: materialised copy, else the source directory, else the local HF cache."""
     for config_path in (Path(target_dir) / "config.json", Path(source) / "config.json"):
         if config_path.is_file():
@@ -245,7 +245,7 @@ def _target_config(target_dir: Path, source: str, revision: str | None) -> dict[
     return None
 
 
-def _gguf_path(source: str, gguf_file: str | None) -> Path | None:
+def gguf_path(source: str, gguf_file: str | None) -> Path | None:
     path = Path(source) / gguf_file if gguf_file else Path(source)
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -253,7 +253,7 @@ def _gguf_path(source: str, gguf_file: str | None) -> Path | None:
 def target_dims(target_dir: Path, source: str, gguf_file: str | None = None,
                 revision: str | None = None) -> dict[str, int] | None:
     """The target's shape (hidden size, layers, MLP width, heads, vocab) or None when nothing local says."""
-    config = _target_config(target_dir, source, revision)
+    config = target_config(target_dir, source, revision)
     if config is not None:
         config = config.get("text_config", config)
         heads = int(config["num_attention_heads"])
@@ -262,7 +262,7 @@ def target_dims(target_dir: Path, source: str, gguf_file: str | None = None,
                 "heads": heads, "kv_heads": int(config.get("num_key_value_heads") or heads),
                 "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
                 "vocab_size": int(config["vocab_size"])}
-    gguf = _gguf_path(source, gguf_file)
+    gguf = gguf_path(source, gguf_file)
     if gguf is None:
         return None
     from gguf import GGUFReader
@@ -299,7 +299,7 @@ def target_copy(target_dir: Path, source: str, gguf_file: str | None, revision: 
     if (Path(target_dir) / "identity.json").is_file():
         size = directory_bytes(target_dir)
         return FixedStage("target", size, size, "exact")
-    gguf = _gguf_path(source, gguf_file)
+    gguf = gguf_path(source, gguf_file)
     if gguf is not None:
         from gguf import GGUFReader
 
