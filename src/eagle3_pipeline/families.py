@@ -8,7 +8,7 @@ from typing import Any
 # Text model types whose causal LM SGLang and vLLM serve with an EAGLE-3 drafter (`LlamaForCausalLMEagle3`).
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3")
 # Rope variants both engines' Llama drafter builds from the exported rope_scaling (get_rope), and that we train.
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "rms_norm_eps",
                    "max_position_embeddings")
 
@@ -57,6 +57,11 @@ def drafter_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                                                       or config["max_position_embeddings"])
     if not params.get("factor"):
         raise UnsupportedTarget(f"rope type {kind!r} without a 'factor'")
+    if kind == "yarn":
+        custom = [key for key in ("attention_factor", "mscale", "mscale_all_dim") if params.get(key) is not None]
+        if custom:
+            raise UnsupportedTarget(f"yarn rope with {', '.join(custom)}: the engines' Llama drafter derives "
+                                    f"YaRN's attention factor from 'factor' alone")
     return theta, params
 
 

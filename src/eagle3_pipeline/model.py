@@ -95,10 +95,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
+    """The drafter's rotary frequencies: what SGLang's/vLLM's get_rope builds from the exported rope_scaling."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # Llama-3.1 long-context scaling
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":  # Llama-3.1 long-context scaling
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         original = scaling["original_max_position_embeddings"]
         wavelength = 2 * math.pi / inv_freq
@@ -106,9 +108,43 @@ def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
         scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
         medium = (wavelength <= original / low) & (wavelength >= original / high)
         inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":  # positions divided by factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "dynamic":
+        # The engines build dynamic NTK once, statically, for factor x max positions; transformers would
+        # recompute it per sequence length. The drafter runs inside the engine, so it follows the engine.
+        factor = scaling["factor"]
+        base = config.rope_theta * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    elif kind == "yarn":
+        inv_freq = _yarn_inverse_frequencies(inv_freq, config.rope_theta, dim, scaling)
     elif scaling:
         raise UnsupportedTarget(f"rope scaling {scaling} is not supported by the drafter")
     return inv_freq.float()
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, theta: float, dim: int,
+                              scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, blend linearly between beta_fast/beta_slow."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling.get("beta_fast") or 32), dimension_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(config: DrafterConfig) -> float:
+    """YaRN scales cos/sin (hence attention logits) by 0.1 ln(factor) + 1; other variants by 1."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn" or scaling["factor"] <= 1:
+        return 1.0
+    return 0.1 * math.log(scaling["factor"]) + 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -268,11 +304,13 @@ class Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.rope_attention_factor = rope_attention_factor(config)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[..., None] * self.inv_freq  # [B,T,d/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B,1,T,d]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        scale = self.rope_attention_factor
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
