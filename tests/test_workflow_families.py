@@ -1,15 +1,36 @@
-"""Target families through the real snakemake CLI: an unsupported target stops `snakemake -n` (and a real
-run) with one line before any job."""
+"""Non-Llama targets through the real snakemake CLI: tiny random-weight Qwen3 and Gemma 3 models (with the
+SmolLM2 tokenizer, so the vocabularies match) run tokenize -> parity -> extract -> train -> export -> evaluate;
+an unsupported target stops `snakemake -n` with one line before any job."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
 import transformers
 
 from .conftest import base_config, run_snakemake
+from .test_families import tiny_config
 from .test_workflow_data import tiny_dataset
 
 pytestmark = pytest.mark.workflow
+MODEL_FILES = ("config.json", "generation_config.json", "identity.json")
+
+
+def tiny_family_target(path, family: str, smollm2_dir) -> None:
+    """A 6-block random-weight model of `family` with SmolLM2's tokenizer files (vocab 49152) beside it."""
+    path.mkdir()
+    for file in smollm2_dir.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in MODEL_FILES:
+            shutil.copy(file, path / file.name)
+    config = tiny_config(family, vocab_size=49152, hidden_size=64, num_hidden_layers=6)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a confident teacher, like a real LM (random init is near uniform)
+        model.get_output_embeddings().weight.mul_(40)
+    model.save_pretrained(path)
 
 
 def family_run_config(tmp_path, target) -> dict:
@@ -27,6 +48,28 @@ def family_run_config(tmp_path, target) -> dict:
                   "timing": {"prompts": 1, "max_new_tokens": 6}})
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_non_llama_target_runs_the_whole_workflow(tmp_path, target_dir, family):
+    target = tmp_path / f"tiny-{family}"
+    tiny_family_target(target, family, target_dir)
+    config = family_run_config(tmp_path, target)
+    results = tmp_path / "results" / "fam"
+    run_snakemake(tmp_path, config, "results/fam/evaluation/held-out.json")
+    parity = json.loads((results / "parity" / "hf.json").read_text())
+    assert parity["passed"] and parity["aux_layer_ids"] == [2, 3, 3]
+    served = json.loads((results / "serving" / "drafter" / "config.json").read_text())
+    assert served["head_dim"] == 16 and served["target_hidden_size"] == 64 and served["vocab_size"] == 49152
+    expected_rope = {"qwen3": (1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+                     "gemma3": (1e6, {"rope_type": "linear", "factor": 8.0})}[family]
+    assert (served["rope_theta"], served["rope_scaling"]) == expected_rope
+    evaluation = json.loads((results / "evaluation" / "held-out.json").read_text())
+    traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
+    eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
+    assert len(eagle3) == 2
+    for trace in eagle3:  # fp32 greedy verification is lossless for any family: the target's own tokens
+        assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
+
+
 def test_an_unsupported_target_stops_the_dry_run_with_one_line(tmp_path):
     target = tmp_path / "phi3-128k"
     transformers.Phi3Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -42,5 +85,5 @@ def test_an_unsupported_target_stops_the_dry_run_with_one_line(tmp_path):
         errors = [line for line in result.stderr.splitlines() if line.startswith("Config error")]
         assert errors == [f"Config error: config key target.source: {str(target)!r}: model_type 'phi3': "
                           f"rope type 'longrope' is not one the drafter supports "
-                          f"(default, llama3)"]
+                          f"(default, linear, dynamic, yarn, llama3)"]
         assert not (tmp_path / "results").exists()
