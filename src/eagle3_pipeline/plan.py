@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,14 @@ def target_config(target_dir: Path, source: str, revision: str | None) -> dict[s
     return None
 
 
+@lru_cache(maxsize=4)
+def gguf_reader(path: Path) -> Any:
+    """One parse of a GGUF header per process (seconds for a big file): the plan and the family check share it."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
 def gguf_path(source: str, gguf_file: str | None) -> Path | None:
     path = Path(source) / gguf_file if gguf_file else Path(source)
     return path if path.suffix == ".gguf" and path.is_file() else None
@@ -265,9 +274,7 @@ def target_dims(target_dir: Path, source: str, gguf_file: str | None = None,
     gguf = gguf_path(source, gguf_file)
     if gguf is None:
         return None
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf))
+    reader = gguf_reader(gguf)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
     def field_value(key: str) -> int:
@@ -301,9 +308,7 @@ def target_copy(target_dir: Path, source: str, gguf_file: str | None, revision: 
         return FixedStage("target", size, size, "exact")
     gguf = gguf_path(source, gguf_file)
     if gguf is not None:
-        from gguf import GGUFReader
-
-        elements = sum(int(tensor.n_elements) for tensor in GGUFReader(str(gguf)).tensors)
+        elements = sum(int(tensor.n_elements) for tensor in gguf_reader(gguf).tensors)
         return FixedStage("target", 4 * elements, 0, "estimate (GGUF -> fp32)")
     folder = Path(source)
     if not folder.is_dir() and source.count("/") == 1:

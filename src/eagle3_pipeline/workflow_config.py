@@ -181,9 +181,7 @@ def _gguf_family_problem(source: str, gguf_file: str | None) -> str | None:
     gguf = plan.gguf_path(source, gguf_file)
     if gguf is None:
         return None
-    from gguf import GGUFReader
-
-    architecture = bytes(GGUFReader(str(gguf)).fields["general.architecture"].parts[-1]).decode()
+    architecture = bytes(plan.gguf_reader(gguf).fields["general.architecture"].parts[-1]).decode()
     if architecture not in GGUF_FAMILIES:
         return (f"GGUF architecture {architecture!r} is not a supported target family "
                 f"({', '.join(GGUF_FAMILIES)})")
