@@ -42,6 +42,7 @@ PLOTS = f"{RESULTS}/report"
 try:
     SETTINGS = workflow_config.check(config, dry_run=is_dry_run(),
                                      target_materialised=Path(TARGET_DIR, "identity.json").is_file())
+    workflow_config.check_target_family(Path(TARGET_DIR), config["target"], SETTINGS.target_source)
 except workflow_config.ConfigError as exc:
     sys.exit(f"Config error: {exc}")  # one line, no traceback
 for warning in SETTINGS.warnings:

@@ -42,6 +42,7 @@ def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
+        "attention_bias": False,  # vLLM builds q/k/v (and o) biases from it; our drafter has none for any family
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope_theta,

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .families import UnsupportedTarget, drafter_rope, target_support_problem, text_config
+
 
 @dataclass
 class DrafterConfig:
@@ -46,29 +48,30 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
-        config = getattr(target_config, "text_config", target_config)
-        heads = config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-            scaling = None
+        """From the target's transformers config (or its config.json as a dict); UnsupportedTarget when no drafter
+        that SGLang/vLLM serve can be built for it (see `target_support_problem`)."""
+        config = text_config(target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config))
+        problem = target_support_problem(config)
+        if problem:
+            raise UnsupportedTarget(problem)
+        heads = config["num_attention_heads"]
+        theta, scaling = drafter_rope(config)
         return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=getattr(config, "num_key_value_heads", heads),
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            vocab_size=config.vocab_size,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
             draft_vocab_size=draft_vocab_size,
-            target_hidden_size=config.hidden_size,
+            target_hidden_size=config["hidden_size"],
             aux_layer_ids=list(aux_layer_ids),
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta),
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=config.max_position_embeddings,
-            extra={k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                   if getattr(config, k, None) is not None},
+            max_position_embeddings=config["max_position_embeddings"],
+            extra={k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if config.get(k) is not None},
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,10 +115,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
+    """The drafter's rotary frequencies: what SGLang's/vLLM's get_rope builds from the exported rope_scaling."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # Llama-3.1 long-context scaling
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":  # Llama-3.1 long-context scaling
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         original = scaling["original_max_position_embeddings"]
         wavelength = 2 * math.pi / inv_freq
@@ -123,9 +128,43 @@ def rope_inverse_frequencies(config: DrafterConfig) -> torch.Tensor:
         scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
         medium = (wavelength <= original / low) & (wavelength >= original / high)
         inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":  # positions divided by factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "dynamic":
+        # The engines build dynamic NTK once, statically, for factor x max positions; transformers would
+        # recompute it per sequence length. The drafter runs inside the engine, so it follows the engine.
+        factor = scaling["factor"]
+        base = config.rope_theta * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    elif kind == "yarn":
+        inv_freq = _yarn_inverse_frequencies(inv_freq, config.rope_theta, dim, scaling)
     elif scaling:
-        raise NotImplementedError(f"rope scaling {scaling} is not supported by the drafter yet")
+        raise UnsupportedTarget(f"rope scaling {scaling} is not supported by the drafter")
     return inv_freq.float()
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, theta: float, dim: int,
+                              scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, blend linearly between beta_fast/beta_slow."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling.get("beta_fast") or 32), dimension_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(config: DrafterConfig) -> float:
+    """YaRN scales cos/sin (hence attention logits) by 0.1 ln(factor) + 1; other variants by 1."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn" or scaling["factor"] <= 1:
+        return 1.0
+    return 0.1 * math.log(scaling["factor"]) + 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -296,11 +335,13 @@ class Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.rope_attention_factor = rope_attention_factor(config)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[..., None] * self.inv_freq  # [B,T,d/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B,1,T,d]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        scale = self.rope_attention_factor
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +232,7 @@ def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], dat
                     hidden_size_unknown=not hidden_size)
 
 
-def _target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
+def target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
     """The target's config.json: materialised copy, else the source directory, else the local HF cache."""
     for config_path in (Path(target_dir) / "config.json", Path(source) / "config.json"):
         if config_path.is_file():
@@ -245,7 +246,15 @@ def _target_config(target_dir: Path, source: str, revision: str | None) -> dict[
     return None
 
 
-def _gguf_path(source: str, gguf_file: str | None) -> Path | None:
+@lru_cache(maxsize=4)
+def gguf_reader(path: Path) -> Any:
+    """One parse of a GGUF header per process (seconds for a big file): the plan and the family check share it."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def gguf_path(source: str, gguf_file: str | None) -> Path | None:
     path = Path(source) / gguf_file if gguf_file else Path(source)
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -253,7 +262,7 @@ def _gguf_path(source: str, gguf_file: str | None) -> Path | None:
 def target_dims(target_dir: Path, source: str, gguf_file: str | None = None,
                 revision: str | None = None) -> dict[str, int] | None:
     """The target's shape (hidden size, layers, MLP width, heads, vocab) or None when nothing local says."""
-    config = _target_config(target_dir, source, revision)
+    config = target_config(target_dir, source, revision)
     if config is not None:
         config = config.get("text_config", config)
         heads = int(config["num_attention_heads"])
@@ -262,12 +271,10 @@ def target_dims(target_dir: Path, source: str, gguf_file: str | None = None,
                 "heads": heads, "kv_heads": int(config.get("num_key_value_heads") or heads),
                 "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
                 "vocab_size": int(config["vocab_size"])}
-    gguf = _gguf_path(source, gguf_file)
+    gguf = gguf_path(source, gguf_file)
     if gguf is None:
         return None
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf))
+    reader = gguf_reader(gguf)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
     def field_value(key: str) -> int:
@@ -299,11 +306,9 @@ def target_copy(target_dir: Path, source: str, gguf_file: str | None, revision: 
     if (Path(target_dir) / "identity.json").is_file():
         size = directory_bytes(target_dir)
         return FixedStage("target", size, size, "exact")
-    gguf = _gguf_path(source, gguf_file)
+    gguf = gguf_path(source, gguf_file)
     if gguf is not None:
-        from gguf import GGUFReader
-
-        elements = sum(int(tensor.n_elements) for tensor in GGUFReader(str(gguf)).tensors)
+        elements = sum(int(tensor.n_elements) for tensor in gguf_reader(gguf).tensors)
         return FixedStage("target", 4 * elements, 0, "estimate (GGUF -> fp32)")
     folder = Path(source)
     if not folder.is_dir() and source.count("/") == 1:

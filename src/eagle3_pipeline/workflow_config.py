@@ -153,6 +153,41 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
 
 
+# GGUF architecture names of the supported families (Mistral GGUFs say "llama"); the full check of the rope
+# settings runs on config.json once the target is materialised (parse time again, and the target job itself).
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+
+
+def check_target_family(target_dir: Path, target: dict[str, Any], target_source: str) -> None:
+    """Stop before any job when no served drafter can be trained for the target, with what and why.
+
+    Reads what is local: the materialised target's or the source directory's config.json (or the HF cache),
+    else a GGUF file's architecture; a hub id not yet fetched is checked by the target job."""
+    from . import plan
+    from .families import target_support_problem
+
+    config = plan.target_config(target_dir, target_source, target.get("revision"))
+    if config is not None:
+        problem = target_support_problem(config)
+    else:
+        problem = _gguf_family_problem(target_source, target.get("gguf_file"))
+    if problem:
+        raise ConfigError(f"config key target.source: {target['source']!r}: {problem}")
+
+
+def _gguf_family_problem(source: str, gguf_file: str | None) -> str | None:
+    from . import plan
+
+    gguf = plan.gguf_path(source, gguf_file)
+    if gguf is None:
+        return None
+    architecture = bytes(plan.gguf_reader(gguf).fields["general.architecture"].parts[-1]).decode()
+    if architecture not in GGUF_FAMILIES:
+        return (f"GGUF architecture {architecture!r} is not a supported target family "
+                f"({', '.join(GGUF_FAMILIES)})")
+    return None
+
+
 def check_chat_template(setting: str | None) -> str | None:
     """The template file to track as an input (None for a built-in name or no setting); it must parse."""
     import jinja2
