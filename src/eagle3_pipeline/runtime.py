@@ -108,7 +108,7 @@ class TargetRuntime:
             logits, aux = self._run(self.model.forward, padded, cache)
             logits, aux = logits[:n], aux[:n]
         if width > n:
-            cache.crop(n - width)  # forget the padding rows (a negative count means "remove")
+            remove_last_rows(cache, width - n)  # forget the padding rows
         return logits, aux
 
     def _run(self, forward: Any, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +122,22 @@ class TargetRuntime:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
         extra = int(cache.get_seq_length()) - keep
         if extra > 0:
-            cache.crop(-extra)
+            remove_last_rows(cache, extra)
+
+
+def remove_last_rows(cache: Any, count: int) -> None:
+    """Forget the last `count` rows of a KV cache (the next update overwrites them). A negative argument to
+    `crop` means "remove this many" in every transformers version; static layers learnt `crop` only in 5.2x
+    (5.17, on the H200s, raises AttributeError), but all keep their length in the tensor `cumulative_length`,
+    which an in-place subtraction rewinds without moving the address CUDA graphs captured."""
+    if all(hasattr(layer, "crop") for layer in getattr(cache, "layers", [])):
+        cache.crop(-count)
+        return
+    for layer in cache.layers:
+        if hasattr(layer, "crop"):
+            layer.crop(-count)
+        else:
+            layer.cumulative_length.sub_(count)
 
 
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
