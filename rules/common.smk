@@ -56,7 +56,8 @@ def tokenize_input(wildcards):
 
 
 def heldout_stores(wildcards):
-    return [HIDDEN_STORE.format(shard=HELDOUT)] if config["train"]["heldout_estimate"] else []
+    wanted = config["train"]["heldout_estimate"] and config["data"]["eval_conversations"] > 0
+    return [HIDDEN_STORE.format(shard=HELDOUT)] if wanted else []
 
 
 def prompt_set_name(entry):

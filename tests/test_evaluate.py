@@ -229,3 +229,19 @@ def test_compile_auto_means_the_timing_pass_on_cuda():
             (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True))] == [True, True, False, False]
     assert compile_decision(True, "cpu", False)[0] and not compile_decision(False, "cuda", True)[0]
     assert "off on cpu" in compile_decision("auto", "cpu", True)[1]
+
+
+def test_a_sliding_window_target_decodes_eagerly_even_when_compilation_is_asked(caplog):
+    """A sliding-window layer rolls its static buffer: rows pushed out by rejected drafts cannot be restored,
+    so the runtime keeps the dynamic cache (and says why) instead of decoding wrongly."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from eagle3_pipeline.runtime import TargetRuntime
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2)
+    sliding = TargetRuntime(MistralForCausalLM(MistralConfig(sliding_window=16, **shape)), [2, 2, 3], static=True,
+                            log=logging.getLogger("test"))
+    assert not sliding.static and not sliding.compiled
+    assert "sliding-window" in caplog.text
+    assert TargetRuntime(LlamaForCausalLM(LlamaConfig(**shape)), [2, 2, 3], static=True).static

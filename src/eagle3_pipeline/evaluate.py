@@ -408,6 +408,13 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     methods = method_table({"eagle3": drafter}, ks, target.compiled, log)
     target.prepare(ks)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
+    # Size the static caches for the longest prompt before the warm-up: a cache that grew during the run would
+    # change the compiled steps' shapes, and their recompilation would be timed.
+    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + max(ks) + 1
+    target.new_cache(capacity)
+    for propose, _ in methods.values():
+        if isinstance(propose, DrafterProposer) and propose.static:
+            propose._reserve(capacity + max(ks))
     warm_up_ids = next(iter(encoded.values()))[0][1]
     decode_prompt(target, methods, "warm-up", warm_up_ids, min(max_new, 16), eos, strict)
     results = {}

@@ -109,7 +109,8 @@ def heldout_panel(ax: Any, estimate: dict[str, Any]) -> None:
     for k in lengths:
         ax.plot(epochs, [r[f"tau_k{k}"] for r in by_epoch], marker="o", label=f"k={k}")
     kept = estimate["kept"]
-    ax.axvline(kept["epoch"], color="grey", linestyle="--", label=f"kept (epoch {int(kept['epoch'])})")
+    if kept:  # none when the held-out split had no draft positions
+        ax.axvline(kept["epoch"], color="grey", linestyle="--", label=f"kept (epoch {int(kept['epoch'])})")
     ax.set_xticks(epochs)
     ax.set(title="Offline acceptance estimate on held-out data", xlabel="epoch", ylabel="estimated tau")
     ax.legend(fontsize=8)

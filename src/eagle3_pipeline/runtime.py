@@ -46,6 +46,11 @@ class TargetRuntime:
         self.aux_count = len(aux_layer_ids)
         for slot, index in enumerate(aux_layer_ids):
             layers[index - 1].register_forward_hook(self._hook(slot))
+        if (static or compiled) and has_sliding_layers(model):
+            if log is not None:  # a rolling window cannot be rewound past rejected drafts
+                log.warning("target has sliding-window layers: its static cache cannot drop rejected drafts; "
+                            "decoding eagerly with a dynamic cache")
+            static = compiled = False
         self.static = static or compiled
         self.static_cache: Any = None
         self.widths: list[int] = [1]  # input lengths the static step pads to (and compiles for)
@@ -123,6 +128,15 @@ class TargetRuntime:
         extra = int(cache.get_seq_length()) - keep
         if extra > 0:
             remove_last_rows(cache, extra)
+
+
+def has_sliding_layers(model: torch.nn.Module) -> bool:
+    """Whether transformers' StaticCache would give this model sliding-window layers (they roll their buffer,
+    so rows pushed out by rejected drafts or padding are lost)."""
+    from transformers import StaticCache
+
+    probe = StaticCache(config=model.config, max_cache_len=8)
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(probe, "layers", []))
 
 
 def remove_last_rows(cache: Any, count: int) -> None:

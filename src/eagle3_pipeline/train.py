@@ -230,13 +230,14 @@ def compiled_loss(settings: TrainSettings, device: torch.device, log: logging.Lo
     """`step_metrics` through torch.compile where asked (auto: on GPU): the soft cross-entropy, top-1 and
     acceptance sums then read the [N, K] logits and teacher once, fused, instead of in a dozen passes.
     Falls back to eager, saying why, when compilation fails here."""
-    if settings.compile == "off" or (settings.compile == "auto" and device.type != "cuda"):
+    if settings.compile in ("off", False) or (settings.compile == "auto" and device.type != "cuda"):
         return step_metrics
     compiled = torch.compile(step_metrics, dynamic=True)
-    try:
-        logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
-        probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
-        compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
+    try:  # the probe's random numbers must not shift the training RNG (a resumed run would diverge)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
+            probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
+            compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
     except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
         log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
                     type(exc).__name__, str(exc)[:300])
@@ -451,7 +452,8 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         truncate_metrics(metrics_path, start)
     selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device) \
         if heldout_paths and is_main_process() else None
-    epoch_end_steps = {min(end // world, steps_total): epoch + 1 for epoch, end in enumerate(schedule.epoch_ends)}
+    # step s consumes batches (s-1)*world .. s*world-1: an epoch's last batch is in step ceil(end / world)
+    epoch_end_steps = {min(-(-end // world), steps_total): epoch + 1 for epoch, end in enumerate(schedule.epoch_ends)}
     epoch_end_steps[steps_total] = epoch_end_steps.get(steps_total, settings.epochs)
     objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay,
                              compiled_loss(settings, device, log))
@@ -551,6 +553,9 @@ class HeldoutSelection:
                  "top-1 per chain step %s", epoch, step, result.positions, time.perf_counter() - tick,
                  " ".join(f"k={i + 1}:{t:.3f}" for i, t in enumerate(result.tau)),
                  " ".join(f"{a:.3f}" for a in result.accuracy))
+        if result.positions == 0:  # nothing to judge by (an empty held-out split): keep training's own weights
+            log.warning("held-out estimate: no draft positions in %s; not selecting by it", self.schedule.paths)
+            return
         if tau > self.best_tau:
             self.best_step, self.best_tau = step, tau
             weights = {name: t.detach().contiguous().cpu() for name, t in model.trainable_state_dict().items()}
@@ -639,8 +644,12 @@ def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:
     if (state_dir / HELDOUT_FILE).exists():
         estimates = read_metrics(state_dir / HELDOUT_FILE)
         key = f"tau_k{min(settings.heldout_select_k, settings.ttt_steps)}"
-        result["heldout_estimate"] = {"by_epoch": estimates, "kept": max(estimates, key=lambda r: r[key]),
-                                      "selected_by": key}
+        kept = None
+        if (state_dir / BEST_WEIGHTS_FILE).exists():  # the weights training returned, not a re-derived maximum
+            with safe_open(str(state_dir / BEST_WEIGHTS_FILE), framework="pt") as handle:
+                kept_step = int(handle.metadata()["step"])
+            kept = next((row for row in estimates if int(row["step"]) == kept_step), None)
+        result["heldout_estimate"] = {"by_epoch": estimates, "kept": kept, "selected_by": key}
     return result
 
 
