@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU session helper (H200s), run after ../shared/hooks/device-stage.sh --with-snakemake has unpacked the
 # model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
-#   compare   config/examples/gpu-smollm2.yaml (regeneration on) on GPU 0 and a second run on GPU 1 (last GPU),
+#   compare   config/examples/gpu-smollm2.yaml on GPU 0 and a second run on GPU 1 (last GPU),
 #             each through evaluation and its HTML report. The second run's overlays are $SECOND (default: the
-#             control gpu-smollm2-no-regen.yaml), given after $DEVICE_CONFIG, so they may override it.
+#             data-size control gpu-smollm2-8k.yaml), given after $DEVICE_CONFIG, so they may override it.
 #             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the second run.
 #             Calls stop at $LIMIT seconds; the same command in the next call resumes both runs
 #             (regeneration and evaluation keep finished work while the machine stays warm).
@@ -71,7 +71,7 @@ case $stage in
       "${cmd[@]}" --unlock >/dev/null 2>&1  # a call stopped at its limit leaves the locks behind
       "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" >> "$out/plan.txt"
     done
-    (export CUDA_VISIBLE_DEVICES=0; pipeline regen) &
+    (export CUDA_VISIBLE_DEVICES=0; pipeline smollm2-gpu) &
     (export CUDA_VISIBLE_DEVICES=$last_gpu
      [ "${BENCH:-0}" = 1 ] && bench_extract > "$out/bench_extract.txt"
      [ "${CONTROL:-1}" = 1 ] && pipeline "$second_name" "${second[@]}") &

@@ -71,7 +71,8 @@ def test_slurm_profile_plans_gpu_jobs_for_the_8b_example(tmp_path):
     assert len(train) == 1 and "gpu=2" in train[0] and "slurm_partition=gpu" in train[0]
     assert "runtime=1440" in train[0] and "mem_mb=128000" in train[0]
     extract = job_resources(output, "extract")
-    assert len(extract) == 32 and all("gpu=0" in r and "disk_mb=" in r for r in extract)  # SGLang holds the GPUs
+    # 32 training shards and the held-out store; SGLang holds the GPUs
+    assert len(extract) == 33 and all("gpu=0" in r and "disk_mb=" in r for r in extract)
     assert all("gpu=1" in r for r in job_resources(output, "parity") + job_resources(output, "evaluate"))
     assert len(job_resources(output, "regenerate")) == 32
 
@@ -80,4 +81,5 @@ def test_slurm_profile_plans_gpu_jobs_for_the_8b_example(tmp_path):
 def test_slurm_profile_gives_hf_extraction_one_gpu_per_shard(tmp_path):
     output = slurm_dry_run(tmp_path, "gpu-smollm2.yaml")
     extract = job_resources(output, "extract")
-    assert len(extract) == 4 and all("gpu=1" in r and "slurm_partition=gpu" in r for r in extract)
+    # 8 training shards and the held-out store
+    assert len(extract) == 9 and all("gpu=1" in r and "slurm_partition=gpu" in r for r in extract)
