@@ -386,6 +386,14 @@ class Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
+def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+by] (padded with `fill`): the token a chain step at position t is fed, by step."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
 def count_flops_per_token(config: DrafterConfig, length: int) -> float:
     """Forward FLOPs per token of one drafter step (matmuls only; attention over `length` keys)."""
     h, d = config.hidden_size, config.head_dim

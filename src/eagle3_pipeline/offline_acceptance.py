@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .model import Drafter
+from .model import Drafter, shift_left
 
 
 @dataclass
@@ -32,10 +32,6 @@ class Estimate:
     def row(self) -> dict[str, float]:
         return {"positions": self.positions} | {f"tau_k{k + 1}": t for k, t in enumerate(self.tau)} | {
             f"step_acc_{k}": a for k, a in enumerate(self.accuracy)}
-
-
-def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
-    return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], dim=1)
 
 
 @torch.no_grad()
@@ -50,7 +46,7 @@ def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, tor
     cache: list = []
     matches = torch.zeros(steps, batch_size, length, dtype=torch.bool, device=ids.device)
     for k in range(steps):
-        logits, hidden = model.step(_shift_left(ids, 1 + k), hidden, positions + k, cache)
+        logits, hidden = model.step(shift_left(ids, 1 + k), hidden, positions + k, cache)
         span = max(length - 2 - k, 0)
         draft = model.draft_to_target(logits[:, :span].argmax(-1))
         matches[k, :, :span] = (draft == greedy[:, 1 + k: 1 + k + span]) & valid[:, 2 + k:]

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from . import hidden_store, offline_acceptance, vocab
-from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention_problem
+from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention_problem, shift_left
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
@@ -160,14 +160,6 @@ class Teacher:
         argmax_in_draft = self.in_draft[logits.argmax(-1)]
         probs = torch.softmax(logits[..., self.draft_ids].float(), dim=-1)
         return probs, argmax_in_draft
-
-
-def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.Tensor:
-    """x[:, t] <- x[:, t+by] (padded with `fill`)."""
-    if by == 0:
-        return x
-    pad = torch.full_like(x[:, :by], fill)
-    return torch.cat([x[:, by:], pad], dim=1)
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int,
