@@ -511,6 +511,15 @@ def with_feature_noise(aux: torch.Tensor, relative_std: float) -> torch.Tensor:
     return (aux.float() + torch.randn_like(aux, dtype=torch.float32) * rms * relative_std).to(aux.dtype)
 
 
+def read_best(path: Path) -> tuple[int, float] | None:
+    """(step, estimated tau) recorded in the kept weights' metadata, or None when there are none."""
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+    return int(meta["step"]), float(meta["tau"])
+
+
 class HeldoutSelection:
     """The offline acceptance estimate after every epoch (train_state/heldout_estimate.csv) and the weights with
     the best tau at `heldout_select_k` (train_state/best.safetensors), which training returns at the end.
@@ -525,14 +534,13 @@ class HeldoutSelection:
         self.best_step, self.best_tau = self._read_best(start)
 
     def _read_best(self, start: int) -> tuple[int, float]:
-        if not self.best_path.exists():
+        best = read_best(self.best_path)
+        if best is None:
             return 0, float("-inf")
-        with safe_open(str(self.best_path), framework="pt") as handle:
-            meta = handle.metadata()
-        if int(meta["step"]) > start:  # written after the checkpoint being resumed: it will be recomputed
+        if best[0] > start:  # written after the checkpoint being resumed: it will be recomputed
             self.best_path.unlink()
             return 0, float("-inf")
-        return int(meta["step"]), float(meta["tau"])
+        return best
 
     def evaluate(self, model: Drafter, step: int, epoch: int) -> None:
         tick = time.perf_counter()
@@ -636,11 +644,8 @@ def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:
     if (state_dir / HELDOUT_FILE).exists():
         estimates = read_metrics(state_dir / HELDOUT_FILE)
         key = f"tau_k{min(settings.heldout_select_k, settings.ttt_steps)}"
-        kept = None
-        if (state_dir / BEST_WEIGHTS_FILE).exists():  # the weights training returned, not a re-derived maximum
-            with safe_open(str(state_dir / BEST_WEIGHTS_FILE), framework="pt") as handle:
-                kept_step = int(handle.metadata()["step"])
-            kept = next((row for row in estimates if int(row["step"]) == kept_step), None)
+        best = read_best(state_dir / BEST_WEIGHTS_FILE)  # the weights training returned, not a re-derived maximum
+        kept = next((row for row in estimates if int(row["step"]) == best[0]), None) if best else None
         result["heldout_estimate"] = {"by_epoch": estimates, "kept": kept, "selected_by": key}
     return result
 
