@@ -20,7 +20,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 	$(BIN)/snakemake --report report.html
-	$(BIN)/python -m eagle3_pipeline.plots --config config/config.yaml
+	$(BIN)/python -m eagle3_pipeline.stages.plots --config config/config.yaml
 
 dry-run: $(STAMP)
 	$(BIN)/snakemake -n

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import assets, evaluate, runtime, target
-from eagle3_pipeline.model import Drafter, DrafterConfig
-from eagle3_pipeline.train import read_target_head
+from eagle3_pipeline import assets, target
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.runtime import decode as runtime
+from eagle3_pipeline.stages import evaluate
+from eagle3_pipeline.stages.train import read_target_head
 
 
 def target_directory(source: str, scratch: Path) -> Path:

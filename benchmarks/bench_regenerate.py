@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3_pipeline import conversations, regenerate
+from eagle3_pipeline import conversations
+from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 
 

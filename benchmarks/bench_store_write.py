@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zarr
 
-from eagle3_pipeline import hidden_store, zarr_io
+from eagle3_pipeline.formats import hidden_store, zarr_io
 
 
 def activations(tokens: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:

@@ -29,8 +29,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from eagle3_pipeline import train as current
-from eagle3_pipeline.model import DrafterConfig, count_flops_per_token
+from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
+from eagle3_pipeline.stages import train as current
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 
@@ -165,7 +165,7 @@ def main() -> None:
         paths = [
             TrainingPath("baseline", baseline.train, baseline.model, config,
                   baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
-            TrainingPath("ours", current, sys.modules["eagle3_pipeline.model"], config,
+            TrainingPath("ours", current, sys.modules["eagle3_pipeline.drafter.model"], config,
                   current.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
         ]
         full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)

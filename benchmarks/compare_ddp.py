@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3_pipeline.train import read_metrics
+from eagle3_pipeline.stages.train import read_metrics
 
 
 def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -> list[dict[str, float]]:
@@ -32,7 +32,7 @@ def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -
             "state_dir": str(state), "settings": settings, "weights": str(state / "drafter.safetensors"),
             "summary": str(state / "summary.json"), "log": str(state / "train.log")}
     (state / "args.json").write_text(json.dumps(args))
-    command = [sys.executable, "-m", "eagle3_pipeline.train_main", str(state / "args.json")]
+    command = [sys.executable, "-m", "eagle3_pipeline.stages.train_main", str(state / "args.json")]
     if gpus > 1:
         command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m"]
     subprocess.run(command, check=True)

@@ -3,7 +3,8 @@
 import json
 from pathlib import Path
 
-from eagle3_pipeline import logs, plan, token_shards, zarr_io
+from eagle3_pipeline import logs, plan
+from eagle3_pipeline.formats import token_shards, zarr_io
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import evaluate, logs
+from eagle3_pipeline import logs
+from eagle3_pipeline.stages import evaluate
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

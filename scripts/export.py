@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from eagle3_pipeline import export, logs
+from eagle3_pipeline import logs
+from eagle3_pipeline.stages import export
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

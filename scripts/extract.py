@@ -4,7 +4,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import backends, extract_stage, logs, target
+from eagle3_pipeline import logs, target
+from eagle3_pipeline.runtime import backends
+from eagle3_pipeline.stages import extract as extract_stage
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

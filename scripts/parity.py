@@ -5,8 +5,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import backends, logs, parity, target, token_shards
-from eagle3_pipeline.backends.hf import pick_device
+from eagle3_pipeline import logs, target
+from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.runtime import backends
+from eagle3_pipeline.runtime.backends.hf import pick_device
+from eagle3_pipeline.stages import parity
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

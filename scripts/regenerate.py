@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import logs, regenerate
+from eagle3_pipeline import logs
+from eagle3_pipeline.stages import regenerate
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from eagle3_pipeline import conversations, data_stage, logs, target
+from eagle3_pipeline import conversations, logs, target
+from eagle3_pipeline.stages import data as data_stage
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

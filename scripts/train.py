@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3_pipeline import train_main
+from eagle3_pipeline.stages import train_main
 
 snakemake = globals()["snakemake"]
 torch.set_num_threads(snakemake.threads)
@@ -27,7 +27,7 @@ if gpus > 1:
     args_path.parent.mkdir(parents=True, exist_ok=True)
     args_path.write_text(json.dumps(args))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                    "-m", "eagle3_pipeline.train_main", str(args_path)], check=True)
+                    "-m", "eagle3_pipeline.stages.train_main", str(args_path)], check=True)
 else:
     train_main.run(args)
 shutil.copyfile(Path(snakemake.params.state_dir) / "metrics.csv", snakemake.output.metrics)

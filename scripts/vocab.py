@@ -3,7 +3,8 @@
 import json
 from pathlib import Path
 
-from eagle3_pipeline import data_stage, logs
+from eagle3_pipeline import logs
+from eagle3_pipeline.stages import data as data_stage
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3_pipeline import parity
+from eagle3_pipeline.stages import parity
 
 from .conftest import send_json
 

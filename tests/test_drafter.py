@@ -11,9 +11,10 @@ import torch
 import zarr
 from safetensors import safe_open
 
-from eagle3_pipeline import export, hidden_store, zarr_io
-from eagle3_pipeline.model import Drafter, DrafterConfig
-from eagle3_pipeline.train import (
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats import hidden_store, zarr_io
+from eagle3_pipeline.stages import export
+from eagle3_pipeline.stages.train import (
     Teacher,
     TrainSettings,
     fingerprint_changes,
@@ -25,7 +26,7 @@ from eagle3_pipeline.train import (
     train,
     ttt_forward,
 )
-from eagle3_pipeline.train_main import data_error_line
+from eagle3_pipeline.stages.train_main import data_error_line
 
 from .tiny_models import tiny_target_with_store
 
@@ -182,14 +183,14 @@ def test_a_finished_run_or_changed_settings_train_from_step_0(tiny_run, tmp_path
     first = train([store], target_dir, vocab_path, state, settings(epochs=2))
     steps = [r["step"] for r in read_metrics(state / "metrics.csv")]
     assert steps == list(range(1, len(steps) + 1))
-    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.train"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.stages.train"):
         again = train([store], target_dir, vocab_path, state, settings(epochs=2, log_every=2))  # e.g. `-R train`
     assert "it is the end of a finished run" in caplog.text and "training from step 0" in caplog.text
     assert same_weights(first, again)  # trained again from scratch, deterministically
     assert [r["step"] for r in read_metrics(state / "metrics.csv")] == steps[1::2]
     caplog.clear()
     train([store], target_dir, vocab_path, state, settings(epochs=2), stop_after_step=3)  # a killed run
-    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.train"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_pipeline.stages.train"):
         changed = train([store], target_dir, vocab_path, state, settings(epochs=2, learning_rate=1e-3, seed=1))
     assert "changed since it was written: train.learning_rate: 0.003 -> 0.001; train.seed: 0 -> 1;" in caplog.text
     assert not same_weights(first, changed)
@@ -289,6 +290,7 @@ def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path
         assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
 
 
+
 @pytest.mark.slow
 def test_flex_ttt_attention_equals_the_explicit_one():
     """The fused kernel's block mask (GPU training) against the explicit scores, on CPU (forward only:
@@ -318,7 +320,7 @@ def test_flex_ttt_attention_equals_the_explicit_one():
 def test_offline_acceptance_counts_the_leading_matching_drafts():
     """A hand-made case: the drafter's chain matches the target's greedy tokens for exactly a known number of
     steps at each position, so tau(k) is known in closed form."""
-    from eagle3_pipeline import offline_acceptance
+    from eagle3_pipeline.drafter import offline_acceptance
 
     torch.manual_seed(0)
     model = Drafter(tiny_config()).eval()

@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from eagle3_pipeline import evaluate, export
-from eagle3_pipeline.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
-from eagle3_pipeline.runtime import TargetRuntime
+from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.stages import evaluate, export
+from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.stages.train import TrainSettings, read_target_head, train
 from eagle3_pipeline.target import load_model
-from eagle3_pipeline.train import TrainSettings, read_target_head, train
 
 from .tiny_models import tiny_target_with_store
 
@@ -54,7 +54,7 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_every_method_is_lossless(trained, k):
     target, drafter, store = trained
-    from eagle3_pipeline.hidden_store import HiddenStore
+    from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
     untrained = evaluate.untrained_like(drafter)
@@ -115,7 +115,7 @@ def vllm_style_chain(drafter, context: list[int], features: torch.Tensor, k: int
 @torch.inference_mode()
 def test_chain_positions_match_a_vllm_style_rule(trained):
     target, drafter, store = trained
-    from eagle3_pipeline.hidden_store import HiddenStore
+    from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
     _, features = target.forward(ids, target.new_cache(len(ids)))
@@ -149,7 +149,7 @@ def test_low_precision_counts_divergence_where_fp32_raises():
 
 def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
     """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
-    from eagle3_pipeline.model import Drafter, DrafterConfig
+    from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
     from eagle3_pipeline.target import load_config
 
     torch.manual_seed(seed)
@@ -223,7 +223,7 @@ def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_pa
 
 
 def test_compile_auto_means_the_timing_pass_on_cuda():
-    from eagle3_pipeline.runtime import compile_decision
+    from eagle3_pipeline.runtime.decode import compile_decision
 
     assert [compile_decision("auto", device, timing)[0] for device, timing in
             (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True))] == [True, True, False, False]
@@ -236,7 +236,7 @@ def test_a_sliding_window_target_decodes_eagerly_even_when_compilation_is_asked(
     so the runtime keeps the dynamic cache (and says why) instead of decoding wrongly."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from eagle3_pipeline.runtime import TargetRuntime
+    from eagle3_pipeline.runtime.decode import TargetRuntime
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2)

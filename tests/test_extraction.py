@@ -10,10 +10,10 @@ import pytest
 import torch
 import zarr
 
-from eagle3_pipeline import hidden_store, token_shards, zarr_io
-from eagle3_pipeline.backends import BackendInfo, check_aux_layer_ids, default_aux_layer_ids
-from eagle3_pipeline.backends.hf import HFBackend
-from eagle3_pipeline.extract_stage import NonFiniteActivations, extract_shard, plan_batches, storage_order
+from eagle3_pipeline.formats import hidden_store, token_shards, zarr_io
+from eagle3_pipeline.runtime.backends import BackendInfo, check_aux_layer_ids, default_aux_layer_ids
+from eagle3_pipeline.runtime.backends.hf import HFBackend
+from eagle3_pipeline.stages.extract import NonFiniteActivations, extract_shard, plan_batches, storage_order
 from eagle3_pipeline.tokenization import TokenizedConversation
 
 from .tiny_models import tiny_llama

@@ -11,9 +11,9 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3_pipeline import export
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, UnsupportedTarget
 from eagle3_pipeline.families import target_support_problem
-from eagle3_pipeline.model import Drafter, DrafterConfig, UnsupportedTarget
+from eagle3_pipeline.stages import export
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3_pipeline import journal
+from eagle3_pipeline.formats import journal
 
 
 def test_appended_records_read_back_with_the_bytes_they_take(tmp_path):

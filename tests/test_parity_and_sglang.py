@@ -9,10 +9,11 @@ import logging
 import numpy as np
 import pytest
 
-from eagle3_pipeline import parity, target
-from eagle3_pipeline.backends import sglang_layer_ids
-from eagle3_pipeline.backends.hf import HFBackend
-from eagle3_pipeline.backends.sglang import SGLangBackend, SGLangError, prefill_states
+from eagle3_pipeline import target
+from eagle3_pipeline.runtime.backends import sglang_layer_ids
+from eagle3_pipeline.runtime.backends.hf import HFBackend
+from eagle3_pipeline.runtime.backends.sglang import SGLangBackend, SGLangError, prefill_states
+from eagle3_pipeline.stages import parity
 
 from .conftest import base_config, run_snakemake
 from .sglang_recorded import DATA, RecordedSGLang, server_info

@@ -7,8 +7,9 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from eagle3_pipeline import assets, plan, train
-from eagle3_pipeline.model import Drafter, DrafterConfig
+from eagle3_pipeline import assets, plan
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.stages import train
 from eagle3_pipeline.target import load_config
 
 

@@ -15,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagle3_pipeline import assets, conversations, regenerate, target
+from eagle3_pipeline import assets, conversations, target
+from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 
 from .conftest import send_json

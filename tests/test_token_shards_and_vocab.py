@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import zarr
 
-from eagle3_pipeline import token_shards, vocab
+from eagle3_pipeline import vocab
+from eagle3_pipeline.formats import token_shards
 from eagle3_pipeline.tokenization import TokenizedConversation
 
 
@@ -88,8 +89,8 @@ def test_systemic_failures_stop_the_job_and_a_few_bad_records_do_not():
 
 
 def test_vocab_refuses_shards_without_assistant_tokens(tmp_path, target_dir):
-    from eagle3_pipeline import data_stage
     from eagle3_pipeline.logs import ClearError
+    from eagle3_pipeline.stages import data as data_stage
 
     rng = np.random.default_rng(0)
     data = sequences(rng)

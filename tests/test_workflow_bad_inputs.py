@@ -11,7 +11,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from eagle3_pipeline import conversations, token_shards
+from eagle3_pipeline import conversations
+from eagle3_pipeline.formats import token_shards
 from eagle3_pipeline.tokenization import BUILTIN_CHAT_TEMPLATES
 
 from .conftest import base_config, run_snakemake, snakemake_command, tiny_conversations

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import conversations, journal, token_shards, vocab
+from eagle3_pipeline import conversations, vocab
+from eagle3_pipeline.formats import journal, token_shards
 
 from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
 

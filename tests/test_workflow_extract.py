@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import hidden_store, zarr_io
+from eagle3_pipeline.formats import hidden_store, zarr_io
 
 from .conftest import base_config, run_snakemake, snakemake_command
 from .test_workflow_data import tiny_dataset

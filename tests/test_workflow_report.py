@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import journal, token_shards
+from eagle3_pipeline.formats import journal, token_shards
 
 from .conftest import base_config, run_snakemake, snakemake_command
 from .test_workflow_data import tiny_dataset
@@ -88,7 +88,7 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
         assert name in html
 
     # what `make run` prints last: every prompt set and method with the tau and speedup of its JSON
-    headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.plots", "results/tiny"], cwd=tmp_path,
+    headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.stages.plots", "results/tiny"], cwd=tmp_path,
                               capture_output=True, text=True, check=True).stdout
     lines = [line.split() for line in headline.splitlines()[2:]]
     for prompt_set in ("mtbench-package", "held-out"):

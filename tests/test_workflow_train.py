@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_pipeline import hidden_store
+from eagle3_pipeline.formats import hidden_store
 
 from .conftest import run_snakemake, snakemake_command
 from .test_extraction import flip_bytes_inside_a_chunk

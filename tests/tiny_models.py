@@ -21,10 +21,10 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
 
     import numpy as np
 
-    from eagle3_pipeline import token_shards
     from eagle3_pipeline import vocab as vocab_module
-    from eagle3_pipeline.backends.hf import HFBackend
-    from eagle3_pipeline.extract_stage import extract_shard
+    from eagle3_pipeline.formats import token_shards
+    from eagle3_pipeline.runtime.backends.hf import HFBackend
+    from eagle3_pipeline.stages.extract import extract_shard
     from eagle3_pipeline.tokenization import TokenizedConversation
 
     model = tiny_llama(layers=layers, hidden=hidden, vocab=vocab, seed=seed)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .logs import ClearError
+from eagle3_pipeline.logs import ClearError
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -397,7 +397,7 @@ INGEST_FIXES = {
 
 def check_systemic(report: DropReport) -> None:
     """Stop when most records were dropped for one reason: a wrong file or format, not a few bad records."""
-    from . import systemic
+    from eagle3_pipeline import systemic
 
     reason = max(report.dropped, key=report.dropped.get) if report.dropped else None
     example = None

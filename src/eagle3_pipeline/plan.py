@@ -68,8 +68,8 @@ class StagePlan:
 def hidden_bytes_per_token(hidden_size: int, compression: float) -> tuple[float, float]:
     """(raw, expected on disk) bytes per token of a hidden-state store: 4 bf16 vectors + id + mask, and
     on disk a 4-byte crc32c per chunk of each of the two hidden arrays."""
-    from .hidden_store import HIDDEN_ARRAYS, Layout
-    from .zarr_io import CHECKSUM_BYTES
+    from eagle3_pipeline.formats.hidden_store import HIDDEN_ARRAYS, Layout
+    from eagle3_pipeline.formats.zarr_io import CHECKSUM_BYTES
 
     hidden = 4 * hidden_size * 2
     raw = hidden + TOKEN_SHARD_BYTES_PER_TOKEN
@@ -121,7 +121,7 @@ def estimate_from_raw(inputs: list[Path], train_conversations: int | None, num_s
 
 def shard_token_counts(shard_names: list[str], token_shard: str, conversation_shard: str,
                        inputs: list[Path], data: dict[str, Any]) -> list[ShardPlan]:
-    from . import token_shards
+    from eagle3_pipeline.formats import token_shards
 
     plans, raw_estimate = [], None
     for name in shard_names:
@@ -301,7 +301,7 @@ def directory_bytes(path: Path) -> int:
 
 def target_copy(target_dir: Path, source: str, gguf_file: str | None, revision: str | None) -> FixedStage:
     """The materialised target: a GGUF dequantised to fp32 safetensors, or a copy of the HF files."""
-    from .target import COPIED_FILES
+    from eagle3_pipeline.target import COPIED_FILES
 
     if (Path(target_dir) / "identity.json").is_file():
         size = directory_bytes(target_dir)

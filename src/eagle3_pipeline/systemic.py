@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .logs import ClearError
+from eagle3_pipeline.logs import ClearError
 
 MIN_FAILURES = 5  # fewer failures than this are never "systemic": small shards stay tolerant
 MAJORITY = 0.5

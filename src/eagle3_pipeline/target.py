@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import assets, zarr_io
+from eagle3_pipeline import assets
+from eagle3_pipeline.formats import zarr_io
 
 log = logging.getLogger(__name__)
 IDENTITY_FILE = "identity.json"
@@ -64,7 +65,7 @@ def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revisi
 def install_chat_template(directory: Path, setting: str) -> None:
     """Write `target.chat_template` as the directory's chat_template.jinja, which transformers prefers over
     tokenizer_config.json's; every stage loads the tokenizer from here, so all render the same way."""
-    from .tokenization import chat_template_text
+    from eagle3_pipeline.tokenization import chat_template_text
 
     destination = directory / CHAT_TEMPLATE_FILE
     destination.unlink(missing_ok=True)  # a new file: never write through a link into the source's copy

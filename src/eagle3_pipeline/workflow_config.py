@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from . import assets
+from eagle3_pipeline import assets
 
 # PyYAML follows YAML 1.1: an exponent without a dot ("3e-4") is a string, not a number.
 _YAML_EXPONENT = re.compile(r"^[+-]?\d+[eE][+-]?\d+$")
@@ -163,8 +163,8 @@ def check_target_family(target_dir: Path, target: dict[str, Any], target_source:
 
     Reads what is local: the materialised target's or the source directory's config.json (or the HF cache),
     else a GGUF file's architecture; a hub id not yet fetched is checked by the target job."""
-    from . import plan
-    from .families import target_support_problem
+    from eagle3_pipeline import plan
+    from eagle3_pipeline.families import target_support_problem
 
     config = plan.target_config(target_dir, target_source, target.get("revision"))
     if config is not None:
@@ -176,7 +176,7 @@ def check_target_family(target_dir: Path, target: dict[str, Any], target_source:
 
 
 def _gguf_family_problem(source: str, gguf_file: str | None) -> str | None:
-    from . import plan
+    from eagle3_pipeline import plan
 
     gguf = plan.gguf_path(source, gguf_file)
     if gguf is None:
@@ -192,7 +192,7 @@ def check_chat_template(setting: str | None) -> str | None:
     """The template file to track as an input (None for a built-in name or no setting); it must parse."""
     import jinja2
 
-    from .tokenization import BUILTIN_CHAT_TEMPLATES, chat_template_text
+    from eagle3_pipeline.tokenization import BUILTIN_CHAT_TEMPLATES, chat_template_text
 
     if setting is None:
         return None

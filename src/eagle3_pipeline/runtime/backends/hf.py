@@ -15,7 +15,13 @@ import numpy as np
 import torch
 import transformers
 
-from . import BackendInfo, HiddenStates, check_aux_layer_ids, default_aux_layer_ids, finite_rows
+from eagle3_pipeline.runtime.backends import (
+    BackendInfo,
+    HiddenStates,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+    finite_rows,
+)
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -47,7 +53,7 @@ class HFBackend:
     @classmethod
     def from_directory(cls, target_dir: Path, device: str = "auto", dtype: str = "auto",
                        aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False) -> HFBackend:
-        from ..target import load_model
+        from eagle3_pipeline.target import load_model
 
         device = pick_device(device)
         model = load_model(target_dir, device=device, dtype=pick_dtype(dtype, device),

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from . import systemic, target, token_shards, vocab
-from .logs import ClearError, Progress
-from .tokenization import (
+from eagle3_pipeline import systemic, target, vocab
+from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.logs import ClearError, Progress
+from eagle3_pipeline.tokenization import (
     TemplateError,
     character_bound,
     cut_to_characters,

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zarr
 
-from . import __version__, zarr_io
+from eagle3_pipeline import __version__
+from eagle3_pipeline.formats import zarr_io
 
 if TYPE_CHECKING:
     import torch

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import hidden_store, token_shards
-from .backends import Backend, finite_rows
-from .logs import Progress
+from eagle3_pipeline.formats import hidden_store, token_shards
+from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.runtime.backends import Backend, finite_rows
 
 
 class NonFiniteActivations(ValueError):

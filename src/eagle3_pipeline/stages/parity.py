@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .backends import Backend
+from eagle3_pipeline.runtime.backends import Backend
 
 COSINE_THRESHOLD = 0.99
 ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower

@@ -157,7 +157,7 @@ def remove_last_rows(cache: Any, count: int) -> None:
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
          timing_pass: bool, trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
     """The target (device and dtype as asked, aux capture, compiled where it should be) and its tokenizer."""
-    from . import target
+    from eagle3_pipeline import target
 
     tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
     model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)

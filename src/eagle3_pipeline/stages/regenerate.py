@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import conversations as conversation_io
-from . import journal, systemic
-from .logs import Progress
-from .tokenization import TemplateError, character_bound, render
+from eagle3_pipeline import conversations as conversation_io
+from eagle3_pipeline import systemic
+from eagle3_pipeline.formats import journal
+from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 
 RETRIED_HTTP_CODES = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -115,8 +116,8 @@ class HFEngine:
     def __init__(self, target_dir: Path, settings: Settings, trust_remote_code: bool = False):
         import torch
 
-        from . import target
-        from .backends.hf import pick_device
+        from eagle3_pipeline import target
+        from eagle3_pipeline.runtime.backends.hf import pick_device
 
         self.torch = torch
         device = pick_device(settings.device)
@@ -410,7 +411,7 @@ REGENERATE_FIXES = {
 def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings: Settings, log: logging.Logger,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """The `regenerate` rule: one conversation shard in, one regenerated shard out (atomic)."""
-    from . import target
+    from eagle3_pipeline import target
 
     identity = target.read_identity(target_dir)["content_hash"]
     tokenizer = target.load_tokenizer(target_dir, trust_remote_code)

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import journal
-from .logs import Progress
-from .model import Drafter, StaticKV
-from .runtime import TargetRuntime
+from eagle3_pipeline.drafter.model import Drafter, StaticKV
+from eagle3_pipeline.formats import journal
+from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.runtime.decode import TargetRuntime
 
 
 class LosslessViolation(AssertionError):
@@ -456,7 +456,7 @@ def prompt_digest(prompt: Prompt) -> str:
 
 def fingerprint(target_dir: Path, serving_dir: Path, settings: dict[str, Any]) -> str:
     """What decides the traces: the drafter's files, the target and the output-defining settings."""
-    from . import target
+    from eagle3_pipeline import target
 
     digest = hashlib.sha256(target.read_identity(target_dir)["content_hash"].encode())
     for path in sorted(Path(serving_dir).iterdir()):
@@ -509,9 +509,10 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
                 timing_pass: bool = False) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
-    from . import export, runtime
-    from .backends.hf import pick_device
-    from .train import read_target_head
+    from eagle3_pipeline.runtime import decode as runtime
+    from eagle3_pipeline.runtime.backends.hf import pick_device
+    from eagle3_pipeline.stages import export
+    from eagle3_pipeline.stages.train import read_target_head
 
     device = pick_device(settings["device"])
     dtype = getattr(torch, settings["dtype"])
@@ -526,9 +527,9 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
 
 
 def worker_main(job_path: Path) -> None:
-    """One worker process: `python -m eagle3_pipeline.evaluate JOB.json` (see run_job). Its traces go to
+    """One worker process: `python -m eagle3_pipeline.stages.evaluate JOB.json` (see run_job). Its traces go to
     the progress directory, prompt by prompt."""
-    from . import logs
+    from eagle3_pipeline import logs
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(job["threads"])
@@ -558,7 +559,7 @@ def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> No
             job_path = Path(scratch) / f"job{i}.json"
             job_path.write_text(json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts[i::workers]],
                                             "threads": max(1, torch.get_num_threads() // workers)}))
-            running.append(subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.evaluate", str(job_path)]))
+            running.append(subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.stages.evaluate", str(job_path)]))
         failed = [i for i, process in enumerate(running) if process.wait() != 0]
     if failed:
         raise RuntimeError(f"evaluation workers {failed} failed; their errors are in {job['log']} "
@@ -595,7 +596,7 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
     for prompt in prompts:
         for method, trace in finished[prompt.prompt_id].items():
             by_method.setdefault(method, []).append(trace)
-    from .backends.hf import pick_device
+    from eagle3_pipeline.runtime.backends.hf import pick_device
 
     return {"pass": "tau", "about": TAU_PASS_ABOUT, "summary": summarise_methods(by_method, log),
             "workers": max(workers, 1), "device": pick_device(settings["device"]),
@@ -612,7 +613,7 @@ TIMING_PASS_ABOUT = ("timing pass: one process on the device after the tau pass,
 def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[Prompt]], settings: dict[str, Any],
                trust_remote_code: bool, log: Any) -> dict[str, Any]:
     """The timing pass's results JSON: speeds by prompt set and method."""
-    from .backends.hf import pick_device
+    from eagle3_pipeline.runtime.backends.hf import pick_device
 
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings | {"untrained_baseline": False},
                                               trust_remote_code, log, timing_pass=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .model import Drafter, shift_left
+from eagle3_pipeline.drafter.model import Drafter, shift_left
 
 
 @dataclass

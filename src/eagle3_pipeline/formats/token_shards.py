@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import zarr
 
-from . import zarr_io
-from .tokenization import TokenizedConversation
+from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.tokenization import TokenizedConversation
 
 FORMAT = "eagle3-token-shard"
 SCHEMA_VERSION = 2  # 2: a crc32c on every chunk

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import zarr_io
-from .backends import sglang_layer_ids
-from .model import Drafter, DrafterConfig
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.runtime.backends import sglang_layer_ids
 
 EXPORTED_NAMES = (
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",

@@ -1,4 +1,4 @@
-"""Entry point of one training process: `python -m eagle3_pipeline.train_main ARGS.json` (also under torchrun)."""
+"""One training process: `python -m eagle3_pipeline.stages.train_main ARGS.json` (also under torchrun)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from . import hidden_store, logs, zarr_io
-from .train import settings_from_config, summary, train
+from eagle3_pipeline import logs
+from eagle3_pipeline.formats import hidden_store, zarr_io
+from eagle3_pipeline.stages.train import settings_from_config, summary, train
 
 # Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
 DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)

@@ -26,8 +26,16 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from . import hidden_store, offline_acceptance, vocab
-from .model import Drafter, DrafterConfig, count_flops_per_token, flex_attention_problem, shift_left
+from eagle3_pipeline import vocab
+from eagle3_pipeline.drafter import offline_acceptance
+from eagle3_pipeline.drafter.model import (
+    Drafter,
+    DrafterConfig,
+    count_flops_per_token,
+    flex_attention_problem,
+    shift_left,
+)
+from eagle3_pipeline.formats import hidden_store
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
@@ -256,7 +264,7 @@ def read_target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int) -> Drafter:
-    from .target import load_config
+    from eagle3_pipeline.target import load_config
 
     draft = vocab.load(vocab_path)
     config = DrafterConfig.from_target(load_config(target_dir), len(draft.draft_ids), aux_layer_ids)
@@ -318,7 +326,7 @@ def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path,
                     world_size: int) -> dict[str, Any]:
     """Everything that decides the trained weights: the settings that change them, the world size, each
     hidden store's content identity, the draft vocab's and the target's content hashes."""
-    from . import target
+    from eagle3_pipeline import target
 
     identity_file = Path(target_dir) / target.IDENTITY_FILE
     target_hash = (target.read_identity(target_dir)["content_hash"] if identity_file.is_file()

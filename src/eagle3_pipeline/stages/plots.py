@@ -1,5 +1,5 @@
 """Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed), and the
-headline table `make run` ends with: `python -m eagle3_pipeline.plots RUN_DIR` (or `--config FILE...`)
+headline table `make run` ends with: `python -m eagle3_pipeline.stages.plots RUN_DIR` (or `--config FILE...`)
 prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .train import read_metrics  # noqa: E402
+from eagle3_pipeline.stages.train import read_metrics  # noqa: E402
 
 
 def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import BackendInfo, HiddenStates, check_aux_layer_ids, sglang_layer_ids
+from eagle3_pipeline.runtime.backends import BackendInfo, HiddenStates, check_aux_layer_ids, sglang_layer_ids
 
 
 class SGLangError(RuntimeError):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     from pathlib import Path
 
-    from . import default_aux_layer_ids
+    from eagle3_pipeline.runtime.backends import default_aux_layer_ids
 
     parser = argparse.ArgumentParser(description="Print the SGLang launch commands for the sglang backend.")
     parser.add_argument("--model-path", required=True, help="HF directory or hub id the servers load")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import UnsupportedTarget, drafter_rope, target_support_problem, text_config
+from eagle3_pipeline.families import UnsupportedTarget, drafter_rope, target_support_problem, text_config
 
 
 @dataclass
