@@ -9,6 +9,10 @@
 #             (regeneration and evaluation keep finished work while the machine stays warm).
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
+#   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
+#             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
+#             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
+#             The second run's overlays are $SECOND; resumable across calls like compare.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
@@ -51,7 +55,7 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
 
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
-  for run in results/smollm2-gpu results/$second_name; do
+  for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
              train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation timing report \
              serving/drafter/config.json; do
@@ -83,6 +87,33 @@ case $stage in
     "${cmd[@]}" --unlock >/dev/null 2>&1
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
     pipeline "$second_name" "${second[@]}"
+    ;;
+  pair)
+    read -ra first <<< "${FIRST:-}"
+    first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
+    for overlays in "${first[*]}" "${second[*]}"; do
+      snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
+    done
+    snakemake_for "${first[@]}"
+    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
+      (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract disk_report \
+        >> "$out/$first_name.log" 2>&1)
+      echo "data stage: exit $? at $SECONDS s"; tail -3 "$out/$first_name.log"
+      if "${cmd[@]}" -n --until extract 2>/dev/null | grep -q "Nothing to be done"; then
+        mkdir -p "results/$second_name"
+        for entry in results/$first_name/*; do  # everything up to the stores; hard links cost no disk
+          case $(basename "$entry") in train|serving|evaluation|timing|report|reports) ;;
+            *) cp -al "$entry" "results/$second_name/" ;; esac
+        done
+      fi
+    fi
+    if [ -d "results/$second_name" ]; then
+      (export CUDA_VISIBLE_DEVICES=0; pipeline "$first_name" "${first[@]}") &
+      # the copied files have no Snakemake metadata under the second run's paths: judge them by time stamps
+      (export CUDA_VISIBLE_DEVICES=$last_gpu; pipeline "$second_name" "${second[@]}" --rerun-triggers mtime) &
+      wait
+    fi
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &

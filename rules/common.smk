@@ -89,7 +89,8 @@ def current_plan():
                    for e in config["evaluate"]["prompts"]}
     fixed = [
         disk_plan.target_copy(TARGET_DIR, *where),
-        *disk_plan.drafter_stages(dims, config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
+        *disk_plan.drafter_stages(disk_plan.with_drafter_width(dims, config["train"]["drafter_intermediate_size"]),
+                                  config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
                                   Path(DRAFTER_WEIGHTS), Path(SERVING_DIR), hidden_size),
         disk_plan.evaluation_stage(prompt_sets,
                                    {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},

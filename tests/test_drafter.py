@@ -27,6 +27,7 @@ from eagle3_pipeline.stages.train import (
     ttt_forward,
 )
 from eagle3_pipeline.stages.train_main import data_error_line
+from eagle3_pipeline.target import load_config
 
 from .tiny_models import tiny_target_with_store
 
@@ -290,6 +291,19 @@ def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path
         assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
 
 
+
+def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    target_width = load_config(target_dir).intermediate_size
+    model = train([store], target_dir, vocab_path, tmp_path / "state",
+                  settings(drafter_intermediate_size=3 * target_width)).eval()
+    assert model.midlayer.mlp.up_proj.weight.shape[0] == 3 * target_width
+    export.export(model, tmp_path / "serving", dtype="float32")
+    assert json.loads((tmp_path / "serving" / "config.json").read_text())["intermediate_size"] == 3 * target_width
+    reloaded = export.load(tmp_path / "serving", embedding=model.embed_tokens.weight.detach())
+    assert torch.equal(reloaded.midlayer.mlp.down_proj.weight, model.midlayer.mlp.down_proj.weight)
+    fingerprint = json.loads((tmp_path / "state" / "fingerprint.json").read_text())
+    assert fingerprint["settings"]["drafter_intermediate_size"] == 3 * target_width
 
 @pytest.mark.slow
 def test_flex_ttt_attention_equals_the_explicit_one():

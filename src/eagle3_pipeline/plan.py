@@ -329,6 +329,11 @@ def drafter_parameters(dims: dict[str, int], draft_vocab_size: int) -> int:
             + 3 * h * dims["intermediate_size"] + 4 * h + h * draft_vocab_size)
 
 
+def with_drafter_width(dims: dict[str, int] | None, intermediate_size: int | None) -> dict[str, int] | None:
+    """The target's shape with the drafter's MLP width where `train.drafter_intermediate_size` sets one."""
+    return dims | {"intermediate_size": intermediate_size} if dims and intermediate_size else dims
+
+
 def assumed_dims(hidden_size: int, vocab_size: int) -> dict[str, int]:
     """A shape from the hidden size alone, on the large side: full multi-head attention, MLP width 4H."""
     return {"hidden_size": hidden_size, "num_layers": 0, "intermediate_size": 4 * hidden_size, "heads": 1,

@@ -16,7 +16,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class TrainSettings:
     feature_noise: float = 0.0  # Gaussian noise on the aux features, relative to each row's RMS
     heldout_select_k: int = 4  # keep the weights with the best offline tau at this draft length
     pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
+    drafter_intermediate_size: int | None = None  # the drafter's MLP width; None = the target's
 
 
 # ---------------------------------------------------------------- data
@@ -263,11 +264,14 @@ def read_target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["embed"], tensors.get("lm_head", tensors["embed"])  # tied embeddings
 
 
-def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int) -> Drafter:
+def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,
+                  intermediate_size: int | None = None) -> Drafter:
     from eagle3_pipeline.target import load_config
 
     draft = vocab.load(vocab_path)
     config = DrafterConfig.from_target(load_config(target_dir), len(draft.draft_ids), aux_layer_ids)
+    if intermediate_size:  # a wider MLP than the target's: the exported config says so, and both engines read it
+        config = replace(config, intermediate_size=intermediate_size)
     torch.manual_seed(seed)
     model = Drafter(config)
     embed, _ = read_target_head(target_dir)
@@ -411,7 +415,8 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     device = pick_device(settings.device)
     distributed = dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed).to(device)
+    model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
+                          settings.drafter_intermediate_size).to(device)
     use_flex = settings.attention == "flex" or (settings.attention == "auto" and device.type == "cuda")
     problem = flex_attention_problem(device) if use_flex else None
     if problem:
