@@ -97,10 +97,11 @@ case $stage in
     snakemake_for "${first[@]}"
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
     if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
-      (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract disk_report \
+      # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
+      (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract \
         >> "$out/$first_name.log" 2>&1)
-      echo "data stage: exit $? at $SECONDS s"; tail -3 "$out/$first_name.log"
-      if "${cmd[@]}" -n --until extract 2>/dev/null | grep -q "Nothing to be done"; then
+      status=$?; echo "data stage: exit $status at $SECONDS s"; tail -3 "$out/$first_name.log"
+      if [ $status = 0 ]; then
         mkdir -p "results/$second_name"
         for entry in results/$first_name/*; do  # everything up to the stores; hard links cost no disk
           case $(basename "$entry") in train|serving|evaluation|timing|report|reports) ;;
