@@ -29,6 +29,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
 from eagle3_pipeline.stages import train as current
 
@@ -71,11 +72,15 @@ def sharegpt_like_lengths(count: int, seed: int = 0) -> np.ndarray:
     return np.clip(rng.lognormal(mean=np.log(600), sigma=0.9, size=count), 32, 2048).astype(np.int64)
 
 
-def schedule_rows(schedule_class: type, lengths: np.ndarray, settings) -> list[list[int]]:
-    """Row lengths of every batch of one epoch, as the given BatchSchedule packs them (no stores needed)."""
-    schedule = object.__new__(schedule_class)
-    schedule.settings, schedule.lengths = settings, [lengths]
-    return [[int(lengths[j]) for _, j in batch] for batch in schedule._epoch(0)]
+def schedule_rows(package: ModuleType, lengths: np.ndarray, settings) -> list[list[int]]:
+    """Row lengths of every batch of one epoch, as the path's batch schedule packs them (no stores needed)."""
+    if package is current:
+        packed = epoch_batches([lengths], settings, 0)
+    else:  # the old package's BatchSchedule, its epoch method on lengths alone
+        schedule = object.__new__(package.BatchSchedule)
+        schedule.settings, schedule.lengths = settings, [lengths]
+        packed = schedule._epoch(0)
+    return [[int(lengths[j]) for _, j in batch] for batch in packed]
 
 
 def random_batch(config: DrafterConfig, rows: list[int], width: int, device: str) -> dict[str, torch.Tensor]:
@@ -176,7 +181,7 @@ def main() -> None:
             # A fresh compiler cache per path: flex_attention's recompile budget is per process, and a path
             # measured after many shapes would otherwise fall back to the uncompiled kernel.
             torch._dynamo.reset()
-            batches_rows = schedule_rows(path.package.BatchSchedule, lengths, path.settings)
+            batches_rows = schedule_rows(path.package, lengths, path.settings)
             real = [random_batch(config, rows, path.width(rows), device) for rows in batches_rows]
             padded = sum(b["valid"].numel() for b in real)
             results[path.name] = (rate(path, [full] * 4, 2), rate(path, real, 1),

@@ -6,11 +6,13 @@ import json
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 import zarr
 from safetensors import safe_open
 
+from eagle3_pipeline.drafter.batches import epoch_batches, pack_greedy, padded_width
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.stages import export
@@ -315,6 +317,37 @@ def test_flex_ttt_attention_equals_the_explicit_one():
 
     for eager, flex in zip(unroll(False), unroll(True), strict=True):
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_the_greedy_packer_closes_a_batch_when_rows_times_widest_exceed_the_budget():
+    assert pack_greedy([5, 4, 4, 3, 1], 12) == [[0, 1], [2, 3, 4]]  # 3 x 5 > 12; then 3 x 4 = 12 fits
+    assert pack_greedy([20, 3, 3], 12) == [[0], [1, 2]]  # a row wider than the budget travels alone
+    assert pack_greedy([], 12) == []
+
+
+def test_the_batch_schedule_covers_each_epoch_once_within_the_budget_and_groups_lengths():
+    """Every sequence once per epoch, batches within batch_tokens at the padded width, a pure function of
+    (seed, epoch); on ShareGPT-like lengths, grouping by length fills far more batch slots with real tokens
+    than packing the shuffled order as it comes."""
+    rng = np.random.default_rng(0)
+    lengths = [np.clip(rng.lognormal(np.log(600), 0.9, size=n), 32, 2048).astype(np.int64) for n in (300, 100)]
+    settings = TrainSettings(batch_tokens=8192, pad_multiple=64, seed=3)
+    batches = epoch_batches(lengths, settings, 0)
+    items = [(s, j) for s in (0, 1) for j in range(len(lengths[s]))]
+    assert sorted(item for batch in batches for item in batch) == items
+    assert all(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) <= 8192 for batch in batches)
+    assert epoch_batches(lengths, settings, 0) == batches
+    assert epoch_batches(lengths, settings, 1) != batches
+    assert epoch_batches(lengths, TrainSettings(batch_tokens=8192, pad_multiple=64, seed=4), 0) != batches
+
+    def real_share(packed: list[list[tuple[int, int]]]) -> float:
+        slots = sum(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) for batch in packed)
+        return sum(int(lengths[s][j]) for batch in packed for s, j in batch) / slots
+
+    shuffled = [items[i] for i in rng.permutation(len(items))]
+    ungrouped = [[shuffled[m] for m in members] for members in
+                 pack_greedy([padded_width(lengths[s][j], 64) for s, j in shuffled], 8192)]
+    assert real_share(batches) > 0.85 and real_share(ungrouped) < 0.65
 
 
 def test_offline_acceptance_counts_the_leading_matching_drafts():

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import vocab
 from eagle3_pipeline.drafter import offline_acceptance
+from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import (
     Drafter,
     DrafterConfig,
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
 HELDOUT_FILE = "heldout_estimate.csv"
 BEST_WEIGHTS_FILE = "best.safetensors"
-GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
 CHECKPOINT_FILE = "checkpoint.pt"
 FINGERPRINT_FILE = "fingerprint.json"  # what the checkpoint beside it was trained on
 NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
@@ -69,86 +68,6 @@ class TrainSettings:
     feature_noise: float = 0.0  # Gaussian noise on the aux features, relative to each row's RMS
     heldout_select_k: int = 4  # keep the weights with the best offline tau at this draft length
     pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
-
-
-# ---------------------------------------------------------------- data
-
-class BatchSchedule(torch.utils.data.Dataset):
-    """Item i is training batch i: a deterministic function of (seed, epoch), so a resumed run sees the
-    same batches, and DataLoader workers read the zarr stores in parallel."""
-
-    def __init__(self, store_paths: list[Path], settings: TrainSettings):
-        self.paths = [Path(p) for p in store_paths]
-        self.settings = settings
-        self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
-        self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
-        self.batches: list[list[tuple[int, int]]] = []
-        self.epoch_ends: list[int] = []  # batch count at the end of each epoch
-        for epoch in range(settings.epochs):
-            self.batches += self._epoch(epoch)
-            self.epoch_ends.append(len(self.batches))
-
-    def _epoch(self, epoch: int) -> list[list[tuple[int, int]]]:
-        """Shuffle, then sort by length inside windows of about GROUP_BATCHES batches before packing: batches
-        hold sequences of similar length (little padding) while every epoch still mixes the whole data set."""
-        items = [(s, j) for s, lengths in enumerate(self.lengths) for j in range(len(lengths))]
-        rng = np.random.default_rng([self.settings.seed, epoch])
-        order = rng.permutation(len(items))
-        mean_length = max(1.0, float(np.mean([self.padded(s, j) for s, j in items]))) if items else 1.0
-        window = max(1, int(GROUP_BATCHES * self.settings.batch_tokens / mean_length))
-        batches: list[list[tuple[int, int]]] = []
-        for start in range(0, len(order), window):
-            group = sorted((items[i] for i in order[start:start + window]), key=lambda item: -self.padded(*item))
-            batches += self._pack(group)
-        return [batches[i] for i in rng.permutation(len(batches))]
-
-    def padded(self, store: int, j: int) -> int:
-        multiple = self.settings.pad_multiple
-        return -(-int(self.lengths[store][j]) // multiple) * multiple
-
-    def _pack(self, group: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """Greedy: a batch closes when one more row would exceed batch_tokens at the widest row's width."""
-        batches, current, widest = [], [], 0
-        for store, j in group:
-            width = self.padded(store, j)
-            if current and (len(current) + 1) * max(widest, width) > self.settings.batch_tokens:
-                batches.append(current)
-                current, widest = [], 0
-            current.append((store, j))
-            widest = max(widest, width)
-        return batches + ([current] if current else [])
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self.stores is None:
-            self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
-        sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
-        return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
-
-
-def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_multiple: int = 1
-            ) -> dict[str, torch.Tensor]:
-    """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
-    cached attention masks are reused across batches."""
-    lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
-    width, batch = -(-max(lengths) // pad_multiple) * pad_multiple, len(sequences)
-    hidden = sequences[0]["last_hidden_states"].shape[-1]
-    out = {
-        "input_ids": torch.zeros(batch, width, dtype=torch.long),
-        "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
-        "aux": torch.zeros(batch, width, 3 * hidden, dtype=torch.bfloat16),
-        "last": torch.zeros(batch, width, hidden, dtype=torch.bfloat16),
-        "valid": torch.zeros(batch, width, dtype=torch.bool),
-    }
-    for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
-        out["input_ids"][row, :n] = seq["input_ids"][:n]
-        out["loss_mask"][row, :n] = seq["loss_mask"][:n].bool()
-        out["aux"][row, :n] = seq["aux_hidden_states"][:n].reshape(n, 3 * hidden)  # layer order, like SGLang
-        out["last"][row, :n] = seq["last_hidden_states"][:n]
-        out["valid"][row, :n] = True
-    return out
 
 
 # ---------------------------------------------------------------- teacher and loss
