@@ -29,8 +29,12 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from eagle3_pipeline.drafter import model as current_model
+from eagle3_pipeline.drafter import objective
+from eagle3_pipeline.drafter.attention import flex_ttt_attention
+from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
-from eagle3_pipeline.stages import train as current
+from eagle3_pipeline.stages.train import TrainSettings
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 
@@ -71,13 +75,6 @@ def sharegpt_like_lengths(count: int, seed: int = 0) -> np.ndarray:
     return np.clip(rng.lognormal(mean=np.log(600), sigma=0.9, size=count), 32, 2048).astype(np.int64)
 
 
-def schedule_rows(schedule_class: type, lengths: np.ndarray, settings) -> list[list[int]]:
-    """Row lengths of every batch of one epoch, as the given BatchSchedule packs them (no stores needed)."""
-    schedule = object.__new__(schedule_class)
-    schedule.settings, schedule.lengths = settings, [lengths]
-    return [[int(lengths[j]) for _, j in batch] for batch in schedule._epoch(0)]
-
-
 def random_batch(config: DrafterConfig, rows: list[int], width: int, device: str) -> dict[str, torch.Tensor]:
     valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
     for row, length in enumerate(rows):
@@ -92,23 +89,36 @@ def random_batch(config: DrafterConfig, rows: list[int], width: int, device: str
 
 
 class TrainingPath:
-    """One training path: its drafter, objective and batch geometry."""
+    """One training path: its drafter, objective and batch geometry. `baseline` is the old package (its flat
+    `model` and `train` modules), None for ours."""
 
-    def __init__(self, name: str, package: ModuleType, model_module: ModuleType, config: DrafterConfig,
-                 settings, device: str):
+    def __init__(self, name: str, baseline: ModuleType | None, config: DrafterConfig, settings, device: str):
         torch.manual_seed(0)
-        self.name, self.package, self.settings = name, package, settings
+        self.name, self.baseline, self.settings = name, baseline, settings
+        model_module = current_model if baseline is None else baseline.model
         self.model = model_module.Drafter(model_module.DrafterConfig(**config.as_dict())).to(device)
-        self.model.use_flex_attention(True)
         lm_head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-        teacher = package.Teacher(lm_head, torch.arange(config.draft_vocab_size, device=device) * 2)
-        if package is current:
-            loss = current.compiled_loss(settings, torch.device(device), _PrintLog())
-            self.objective = current.TTTObjective(self.model, teacher, settings.ttt_steps, 0.8, loss)
+        draft_ids = torch.arange(config.draft_vocab_size, device=device) * 2
+        if baseline is None:
+            loss = objective.compiled_loss(settings.compile, torch.device(device), _PrintLog())
+            self.objective = objective.TTTObjective(self.model, objective.Teacher(lm_head, draft_ids),
+                                                    settings.ttt_steps, 0.8, loss, flex_ttt_attention)
         else:
-            self.objective = package.TTTObjective(self.model, teacher, settings.ttt_steps, 0.8)
+            self.model.use_flex_attention(True)
+            self.objective = baseline.train.TTTObjective(self.model, baseline.train.Teacher(lm_head, draft_ids),
+                                                         settings.ttt_steps, 0.8)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
                                            fused=True)
+
+    def epoch_rows(self, lengths: np.ndarray) -> list[list[int]]:
+        """Row lengths of every batch of one epoch, as this path's schedule packs them (no stores needed)."""
+        if self.baseline is None:
+            packed = epoch_batches([lengths], self.settings, 0)
+        else:
+            schedule = object.__new__(self.baseline.train.BatchSchedule)
+            schedule.settings, schedule.lengths = self.settings, [lengths]
+            packed = schedule._epoch(0)
+        return [[int(lengths[j]) for _, j in batch] for batch in packed]
 
     def width(self, rows: list[int]) -> int:
         multiple = getattr(self.settings, "pad_multiple", 1)
@@ -163,10 +173,10 @@ def main() -> None:
                      + 2 * config.vocab_size * config.hidden_size)
         lengths = sharegpt_like_lengths(args.sequences if config.hidden_size < 1024 else args.sequences // 4)
         paths = [
-            TrainingPath("baseline", baseline.train, baseline.model, config,
-                  baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
-            TrainingPath("ours", current, sys.modules["eagle3_pipeline.drafter.model"], config,
-                  current.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
+            TrainingPath("baseline", baseline, config,
+                         baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
+            TrainingPath("ours", None, config, TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens),
+                         device),
         ]
         full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)
         step0 = [float(p.step(full)) for p in paths]
@@ -176,7 +186,7 @@ def main() -> None:
             # A fresh compiler cache per path: flex_attention's recompile budget is per process, and a path
             # measured after many shapes would otherwise fall back to the uncompiled kernel.
             torch._dynamo.reset()
-            batches_rows = schedule_rows(path.package.BatchSchedule, lengths, path.settings)
+            batches_rows = path.epoch_rows(lengths)
             real = [random_batch(config, rows, path.width(rows), device) for rows in batches_rows]
             padded = sum(b["valid"].numel() for b in real)
             results[path.name] = (rate(path, [full] * 4, 2), rate(path, real, 1),

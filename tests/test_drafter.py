@@ -6,25 +6,25 @@ import json
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 import zarr
 from safetensors import safe_open
 
+from eagle3_pipeline.drafter.attention import TTTKV, choose_ttt_attention, explicit_ttt_attention, flex_ttt_attention
+from eagle3_pipeline.drafter.batches import epoch_batches, pack_greedy, padded_width
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics, ttt_forward
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import (
-    Teacher,
     TrainSettings,
     fingerprint_changes,
     read_metrics,
     run_fingerprint,
-    shift_left,
-    step_metrics,
     summary,
     train,
-    ttt_forward,
 )
 from eagle3_pipeline.stages.train_main import data_error_line
 from eagle3_pipeline.target import load_config
@@ -45,12 +45,12 @@ def test_ttt_attention_matches_an_explicitly_masked_reference():
     ids = torch.randint(0, 100, (batch, length))
     positions = torch.arange(length).expand(batch, length)
     hidden = torch.randn(batch, length, 96)
-    cache: list = []
+    cache = TTTKV(explicit_ttt_attention)
     outputs = []
     with torch.no_grad():
         h = hidden
         for _ in range(steps):
-            _, h = model.step(ids, h, positions, cache)
+            _, h, cache = model(ids, h, positions, cache)
             outputs.append(h)
         # Reference: recompute the last step's attention with one explicit mask over all steps' keys.
         attn = model.midlayer.self_attn
@@ -64,8 +64,8 @@ def test_ttt_attention_matches_an_explicitly_masked_reference():
 
         q = project(attn.q_proj, queries_input, 4)
         q = q * cos + (torch.cat([-q[..., 4:], q[..., :4]], -1)) * sin
-        keys = torch.cat([k for k, _ in cache], dim=2)  # [B,kv_heads,steps*T,d]
-        values = torch.cat([v for _, v in cache], dim=2)
+        keys = torch.cat([k for k, _ in cache.steps], dim=2)  # [B,kv_heads,steps*T,d]
+        values = torch.cat([v for _, v in cache.steps], dim=2)
         mask = torch.zeros(length, steps * length, dtype=torch.bool)
         for t in range(length):
             mask[t, : t + 1] = True  # step 0: causal prefix
@@ -282,8 +282,8 @@ def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path
         aux = sequence["aux_hidden_states"].reshape(1, len(ids[0]), -1).float()
         positions = torch.arange(ids.shape[1])[None]
         with torch.no_grad():
-            reference = model.step(ids, aux, positions)[0]
-            served_logits = loaded.step(ids, aux, positions)[0]
+            reference = model(ids, aux, positions)[0]
+            served_logits = loaded(ids, aux, positions)[0]
         if dtype == "float32":
             assert torch.equal(reference, served_logits)
         else:
@@ -320,16 +320,56 @@ def test_flex_ttt_attention_equals_the_explicit_one():
 
     @torch.no_grad()
     def unroll(flex: bool) -> list[torch.Tensor]:
-        model.use_flex_attention(flex)
-        cache, h, logits = [], hidden, []
+        cache, h, logits = TTTKV(flex_ttt_attention if flex else explicit_ttt_attention), hidden, []
         for _ in range(4):
-            out, h = model.step(ids, h, positions, cache)
+            out, h, cache = model(ids, h, positions, cache)
             logits.append(out[valid])
         return logits
 
     for eager, flex in zip(unroll(False), unroll(True), strict=True):
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.slow
+def test_flex_attention_where_it_cannot_train_falls_back_to_the_explicit_kernel(caplog):
+    """CPU flex_attention has no backward: asked for flex there, training gets the explicit kernel and says why."""
+    with caplog.at_level(logging.INFO, logger="test"):
+        kernel = choose_ttt_attention("flex", torch.device("cpu"), logging.getLogger("test"))
+    assert kernel is explicit_ttt_attention
+    assert "flex attention unavailable on cpu" in caplog.text and "backward" in caplog.text
+    assert choose_ttt_attention("auto", torch.device("cpu"), logging.getLogger("test")) is explicit_ttt_attention
+
+
+def test_the_greedy_packer_closes_a_batch_when_rows_times_widest_exceed_the_budget():
+    assert pack_greedy([5, 4, 4, 3, 1], 12) == [[0, 1], [2, 3, 4]]  # 3 x 5 > 12; then 3 x 4 = 12 fits
+    assert pack_greedy([20, 3, 3], 12) == [[0], [1, 2]]  # a row wider than the budget travels alone
+    assert pack_greedy([], 12) == []
+
+
+def test_the_batch_schedule_covers_each_epoch_once_within_the_budget_and_groups_lengths():
+    """Every sequence once per epoch, batches within batch_tokens at the padded width, a pure function of
+    (seed, epoch); on ShareGPT-like lengths, grouping by length fills far more batch slots with real tokens
+    than packing the shuffled order as it comes."""
+    rng = np.random.default_rng(0)
+    lengths = [np.clip(rng.lognormal(np.log(600), 0.9, size=n), 32, 2048).astype(np.int64) for n in (300, 100)]
+    settings = TrainSettings(batch_tokens=8192, pad_multiple=64, seed=3)
+    batches = epoch_batches(lengths, settings, 0)
+    items = [(s, j) for s in (0, 1) for j in range(len(lengths[s]))]
+    assert sorted(item for batch in batches for item in batch) == items
+    assert all(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) <= 8192 for batch in batches)
+    assert epoch_batches(lengths, settings, 0) == batches
+    assert epoch_batches(lengths, settings, 1) != batches
+    assert epoch_batches(lengths, TrainSettings(batch_tokens=8192, pad_multiple=64, seed=4), 0) != batches
+
+    def real_share(packed: list[list[tuple[int, int]]]) -> float:
+        slots = sum(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) for batch in packed)
+        return sum(int(lengths[s][j]) for batch in packed for s, j in batch) / slots
+
+    shuffled = [items[i] for i in rng.permutation(len(items))]
+    ungrouped = [[shuffled[m] for m in members] for members in
+                 pack_greedy([padded_width(lengths[s][j], 64) for s, j in shuffled], 8192)]
+    assert real_share(batches) > 0.85 and real_share(ungrouped) < 0.65
 
 def test_offline_acceptance_counts_the_leading_matching_drafts():
     """A hand-made case: the drafter's chain matches the target's greedy tokens for exactly a known number of
@@ -345,9 +385,9 @@ def test_offline_acceptance_counts_the_leading_matching_drafts():
              "loss_mask": torch.ones(1, length, dtype=torch.bool), "valid": torch.ones(1, length, dtype=torch.bool)}
     drafts = []
     with torch.no_grad():  # what the drafter proposes at every (step, position), engine positions
-        hidden, cache = batch["aux"], []
+        hidden, cache = batch["aux"], TTTKV()
         for k in range(steps):
-            logits, hidden = model.step(shift_left(ids, 1 + k), hidden, torch.arange(length)[None] + k, cache)
+            logits, hidden, cache = model(shift_left(ids, 1 + k), hidden, torch.arange(length)[None] + k, cache)
             drafts.append(logits[0].argmax(-1))
     # The target's greedy token at t+1+k is made the step-k draft at t for the first positions (later positions
     # overwrite earlier ones, so the expected lengths are counted below); `last` rows are one-hot position codes.

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (Llama family), in one readable file.
+"""The EAGLE-3 drafter (Llama family): its config, rotary embedding and its one decoder layer.
 
     aux features (3 target layers, 3H) --fc--> h                     token embedding (frozen target copy)
                                                |                               |
@@ -13,19 +13,23 @@
 The midlayer's pre-norm output is the drafter's own "hidden state": training-time test (TTT) feeds it
 back as `h` for the next draft position, exactly as SGLang/vLLM do when drafting a chain.
 Weight names match what SGLang's and vLLM's `LlamaForCausalLMEagle3` load (see export.py).
+
+Training and decoding run the same `Drafter.forward`; only the KV cache passed in differs (attention.py:
+the training-time-test steps' keys, a growing decode cache, or a static one). The TTT objective that unrolls
+it is objective.py.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_pipeline.drafter.attention import DecodeKV, KVCache, StaticKV, causal_attention
 from eagle3_pipeline.families import UnsupportedTarget, drafter_rope, target_support_problem, text_config
 
 
@@ -76,29 +80,6 @@ class DrafterConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, kv_heads, T, head_dim]
-
-
-@dataclass
-class StaticKV:
-    """A fixed-capacity drafter KV cache for compiled (CUDA-graph) decoding: the row at rotary position p lives
-    in slot p, so slots beyond a query's position are masked, and stale ones are overwritten when reached."""
-    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim]
-    values: torch.Tensor
-
-    @classmethod
-    def empty(cls, config: DrafterConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> StaticKV:
-        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
-        cache = cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-        for tensor in (cache.keys, cache.values):  # updated in place: CUDA graphs need fixed addresses
-            torch._dynamo.mark_static_address(tensor)
-        return cache
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +154,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Attention whose queries/keys/values come from the 2H concat; keys of earlier TTT steps are cached."""
+    """Queries/keys/values from the 2H concat, rotary on q and k; the cache, if any, decides what they attend to
+    (attention.py); without one the rows attend causally to each other."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -184,116 +166,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
-        self.implementation = "eager"  # or "flex" (GPU): see Drafter.use_flex_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-        """x [B,T,2H]. With `cache` (TTT), step k attends to step 0 causally and to its own position at steps 1..k.
-
-        Rows are right-padded: a real query sees only earlier positions, so padding needs no mask."""
-        batch, length, _ = x.shape
-        q, k, v = self._project(x, cos, sin)
-        if cache is not None:
-            cache.append((k, v))  # un-repeated keys/values of this step
-        if self.implementation == "flex" and cache is not None:
-            out = ttt_flex_attention(q, cache)
-        elif cache is None or len(cache) == 1:
-            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
-        else:
-            out = self._ttt_attention(q, cache)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B,heads,T,d], k and v [B,kv_heads,T,d], rotary applied to q and k."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache | None]:
+        """x [B,T,2H] -> ([B,T,H], the cache with these rows added)."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
-        groups = self.heads // self.kv_heads
-        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
-        """Inference with a KV cache: new rows attend to every cached row and causally to each other."""
-        batch, length, _ = x.shape
-        q, k, v = self._project(x, cos, sin)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        cached = k.shape[2] - length
-        mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=cached)
-        out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
-
-    def decode_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKV,
-                      positions: torch.Tensor) -> torch.Tensor:
-        """`decode` into a StaticKV: rows written at their positions [T]; each attends to slots <= its position."""
-        batch, length, _ = x.shape
-        q, k, v = self._project(x, cos, sin)
-        cache.keys.index_copy_(2, positions, k)
-        cache.values.index_copy_(2, positions, v)
-        mask = torch.arange(cache.capacity, device=x.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q, self._repeat(cache.keys), self._repeat(cache.values), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-    def _ttt_attention(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Reference TTT attention (CPU, and the check for the flex kernel): explicit scores."""
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = self._repeat(cache[0][0]), self._repeat(cache[0][1])
-        length = q.shape[2]
-        prefix = (q @ k0.transpose(-1, -2)) * scale  # [B,h,T,T] against the real-feature step
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        prefix = prefix.masked_fill(~causal, float("-inf"))
-        later_k = torch.stack([self._repeat(ck) for ck, _ in cache[1:]], dim=-2)  # [B,h,T,S,d], one key per step
-        later_v = torch.stack([self._repeat(cv) for _, cv in cache[1:]], dim=-2)
-        diagonal = (q.unsqueeze(-2) * later_k).sum(-1) * scale  # [B,h,T,S]
-        weights = torch.softmax(torch.cat([prefix, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
-        return weights[..., :length] @ v0 + (weights[..., length:].unsqueeze(-1) * later_v).sum(-2)
-
-
-@lru_cache(maxsize=1)
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def flex_attention_problem(device: torch.device) -> str | None:
-    """None when the fused kernel compiles and runs forward and backward here, else why not (once per process)."""
-    try:
-        q = torch.randn(1, 2, 128, 16, device=device, requires_grad=True)
-        steps = [(torch.randn(1, 1, 128, 16, device=device), torch.randn(1, 1, 128, 16, device=device))
-                 for _ in range(2)]
-        ttt_flex_attention(q, steps).sum().backward()
-        return None
-    except Exception as exc:  # missing Triton, unsupported device, compiler errors: all mean "use eager"
-        return f"{type(exc).__name__}: {str(exc)[:300]}"
-
-
-@lru_cache(maxsize=256)
-def ttt_block_mask(length: int, steps: int, device: torch.device):
-    """Keys of every step side by side, [step 0 | step 1 | ... | step k], each `length` long: step 0 causal,
-    steps >= 1 only the query's own position. It depends on (length, steps) alone (right padding needs no mask),
-    so it is built once per padded batch width and reused by every batch of that width."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def visible(b, h, q_index, kv_index):
-        position = kv_index % length
-        return torch.where(kv_index < length, position <= q_index, position == q_index)
-
-    return create_block_mask(visible, None, None, length, steps * length, device=device)
-
-
-def ttt_flex_attention(q: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The same attention as `Attention._ttt_attention` as one fused kernel (GPU): the extra steps cost a few
-    diagonal tiles instead of a materialised [T, T] score matrix."""
-    keys = torch.cat([k for k, _ in steps], dim=2)
-    values = torch.cat([v for _, v in steps], dim=2)
-    mask = ttt_block_mask(q.shape[2], len(steps), q.device)
-    return _compiled_flex_attention()(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is None:
+            out = causal_attention(q, k, v)
+        else:
+            out, cache = cache.attend(q, k, v, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), cache
 
 
 class MLP(nn.Module):
@@ -316,10 +202,12 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, cache):
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache | None]:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, cos, sin, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended, cache = self.self_attn(x, cos, sin, positions, cache)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
 
 
 class Drafter(nn.Module):
@@ -343,9 +231,10 @@ class Drafter(nn.Module):
         scale = self.rope_attention_factor
         return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             cache: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft position for every token: returns (draft-vocab logits [B,T,K], pre-norm hidden [B,T,H]).
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+        """One draft position for every token: (draft-vocab logits [B,T,K], pre-norm hidden [B,T,H], the cache
+        with these rows added). Training-time test passes a TTTKV, decoding a DecodeKV or StaticKV.
 
         `hidden` is either the target's aux features (width 3H, projected by fc) or a previous step's output.
         """
@@ -353,30 +242,14 @@ class Drafter(nn.Module):
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        hidden = self.midlayer(embeds, hidden, cos, sin, cache)
-        return self.lm_head(self.norm(hidden)), hidden
-
-    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past: KVCache | StaticKV | None = None):
-        """Inference step with a KV cache (what a server runs): returns (logits, pre-norm hidden, new cache).
-        A StaticKV is updated in place (batch 1) and returned as is."""
-        if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fc(hidden)
-        layer = self.midlayer
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary(positions, hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        if isinstance(past, StaticKV):
-            attended, cache = layer.self_attn.decode_static(x, cos, sin, past, positions[0]), past
-        else:
-            attended, cache = layer.self_attn.decode(x, cos, sin, past)
-        hidden = hidden + attended
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden, cache = self.midlayer(embeds, hidden, cos, sin, positions, cache)
         return self.lm_head(self.norm(hidden)), hidden, cache
 
-    def use_flex_attention(self, enabled: bool = True) -> None:
-        """Training-time test attention through torch's flex_attention kernel (needs a GPU and Triton)."""
-        self.midlayer.self_attn.implementation = "flex" if enabled else "eager"
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               past: DecodeKV | StaticKV | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+        """What a server runs: `forward` with a KV cache, a new DecodeKV when `past` is None. A StaticKV is
+        updated in place (batch 1) and returned as is; a DecodeKV is returned extended, `past` left as it was."""
+        return self(input_ids, hidden, positions, DecodeKV() if past is None else past)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -384,14 +257,6 @@ class Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that is exported: all weights but the embedding, plus d2t/t2d."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
-
-
-def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.Tensor:
-    """x[:, t] <- x[:, t+by] (padded with `fill`): the token a chain step at position t is fed, by step."""
-    if by == 0:
-        return x
-    pad = torch.full_like(x[:, :by], fill)
-    return torch.cat([x[:, by:], pad], dim=1)
 
 
 def count_flops_per_token(config: DrafterConfig, length: int) -> float:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eagle3_pipeline.drafter.model import Drafter, shift_left
+from eagle3_pipeline.drafter.attention import TTTKV, TTTKernel, explicit_ttt_attention
+from eagle3_pipeline.drafter.model import Drafter
+from eagle3_pipeline.drafter.objective import shift_left
 
 
 @dataclass
@@ -35,18 +37,18 @@ class Estimate:
 
 
 @torch.no_grad()
-def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int,
+                     attention: TTTKernel = explicit_ttt_attention) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps])."""
     ids, valid = batch["input_ids"], batch["valid"]
     batch_size, length = ids.shape
     greedy = (batch["last"].to(lm_head.dtype) @ lm_head.T).argmax(-1)  # the target's next token at every t
     positions = torch.arange(length, device=ids.device).expand(batch_size, length)
     hidden = batch["aux"].to(model.fc.weight.dtype)
-    cache: list = []
+    cache = TTTKV(attention)
     matches = torch.zeros(steps, batch_size, length, dtype=torch.bool, device=ids.device)
     for k in range(steps):
-        logits, hidden = model.step(shift_left(ids, 1 + k), hidden, positions + k, cache)
+        logits, hidden, cache = model(shift_left(ids, 1 + k), hidden, positions + k, cache)
         span = max(length - 2 - k, 0)
         draft = model.draft_to_target(logits[:, :span].argmax(-1))
         matches[k, :, :span] = (draft == greedy[:, 1 + k: 1 + k + span]) & valid[:, 2 + k:]
@@ -59,8 +61,9 @@ def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, tor
 
 
 def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]], steps: int,
-             device: torch.device) -> Estimate:
-    """Acceptance over every held-out batch (the model is put in eval mode and left there)."""
+             device: torch.device, attention: TTTKernel = explicit_ttt_attention) -> Estimate:
+    """Acceptance over every held-out batch (the model is put in eval mode and left there); `attention` is the
+    TTT kernel (training passes its own)."""
     model.eval()
     histogram = np.zeros(steps + 1)
     per_step = np.zeros(steps)
@@ -68,7 +71,7 @@ def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, 
     for batch in batches:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast:
-            accepted, matched = accepted_lengths(model, lm_head, batch, steps)
+            accepted, matched = accepted_lengths(model, lm_head, batch, steps, attention)
         histogram += np.bincount(accepted.cpu().numpy(), minlength=steps + 1)
         per_step += matched.cpu().numpy()
     total = histogram.sum()

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_pipeline.drafter.model import Drafter, StaticKV
+from eagle3_pipeline.drafter.attention import DecodeKV, StaticKV
+from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import journal
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.decode import TargetRuntime
@@ -137,7 +138,7 @@ class DrafterProposer:
     def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
-        self.cache: tuple[torch.Tensor, torch.Tensor] | StaticKV | None = None
+        self.cache: DecodeKV | StaticKV | None = None
         self.done = 0  # rows (f_t, x_{t+1}) already in the cache
         self.static = static or compiled
         self.static_cache: StaticKV | None = None

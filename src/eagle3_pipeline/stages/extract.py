@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_pipeline.drafter.batches import pack_greedy
 from eagle3_pipeline.formats import hidden_store, token_shards
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.backends import Backend, finite_rows
@@ -32,18 +33,14 @@ def storage_order(lengths: np.ndarray) -> np.ndarray:
 
 
 def plan_batches(sorted_lengths: np.ndarray, token_budget: int) -> list[Batch]:
-    """Greedy batches of consecutive sequences whose padded size (count x longest) fits the budget."""
-    batches, current, longest, row = [], [], 0, 0
-    start_row = 0
-    for j, length in enumerate(sorted_lengths.tolist()):
-        if current and (len(current) + 1) * max(longest, length) > token_budget:
-            batches.append(Batch(current, start_row, row))
-            current, longest, start_row = [], 0, row
-        current.append(j)
-        longest = max(longest, length)
-        row += length
-    if current:
-        batches.append(Batch(current, start_row, row))
+    """Greedy batches of consecutive sequences whose padded size (count x longest) fits the budget: the
+    training schedule's packer, over unpadded lengths."""
+    lengths = sorted_lengths.tolist()
+    batches, row = [], 0
+    for members in pack_greedy(lengths, token_budget):
+        rows = sum(lengths[j] for j in members)
+        batches.append(Batch(members, row, row + rows))
+        row += rows
     return batches
 
 

@@ -1,10 +1,7 @@
 """Drafter training with training-time test (TTT), resumable checkpoints and optional DDP (torchrun).
 
-Targets: at step k the drafter sees token x[t+1+k] and (step 0) the target's aux features at t, or (k>0)
-its own previous output, and must match the target's distribution at position t+1+k, i.e. predict
-x[t+2+k]. The teacher is the frozen target lm_head applied to the stored post-norm final state,
-restricted (renormalised) to the draft vocab. A position counts when the predicted token is an
-assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
+The objective (drafter/objective.py) and the batch schedule (drafter/batches.py) live with the drafter; this
+module runs them: set-up, the loop, checkpoints and resume, the held-out selection, metrics.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -28,20 +24,16 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import vocab
 from eagle3_pipeline.drafter import offline_acceptance
-from eagle3_pipeline.drafter.model import (
-    Drafter,
-    DrafterConfig,
-    count_flops_per_token,
-    flex_attention_problem,
-    shift_left,
-)
+from eagle3_pipeline.drafter.attention import TTTKernel, choose_ttt_attention
+from eagle3_pipeline.drafter.batches import BatchSchedule
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
+from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
 from eagle3_pipeline.formats import hidden_store
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.csv"
 HELDOUT_FILE = "heldout_estimate.csv"
 BEST_WEIGHTS_FILE = "best.safetensors"
-GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
 CHECKPOINT_FILE = "checkpoint.pt"
 FINGERPRINT_FILE = "fingerprint.json"  # what the checkpoint beside it was trained on
 NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
@@ -70,181 +62,6 @@ class TrainSettings:
     heldout_select_k: int = 4  # keep the weights with the best offline tau at this draft length
     pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
     drafter_intermediate_size: int | None = None  # the drafter's MLP width; None = the target's
-
-
-# ---------------------------------------------------------------- data
-
-class BatchSchedule(torch.utils.data.Dataset):
-    """Item i is training batch i: a deterministic function of (seed, epoch), so a resumed run sees the
-    same batches, and DataLoader workers read the zarr stores in parallel."""
-
-    def __init__(self, store_paths: list[Path], settings: TrainSettings):
-        self.paths = [Path(p) for p in store_paths]
-        self.settings = settings
-        self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
-        self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
-        self.batches: list[list[tuple[int, int]]] = []
-        self.epoch_ends: list[int] = []  # batch count at the end of each epoch
-        for epoch in range(settings.epochs):
-            self.batches += self._epoch(epoch)
-            self.epoch_ends.append(len(self.batches))
-
-    def _epoch(self, epoch: int) -> list[list[tuple[int, int]]]:
-        """Shuffle, then sort by length inside windows of about GROUP_BATCHES batches before packing: batches
-        hold sequences of similar length (little padding) while every epoch still mixes the whole data set."""
-        items = [(s, j) for s, lengths in enumerate(self.lengths) for j in range(len(lengths))]
-        rng = np.random.default_rng([self.settings.seed, epoch])
-        order = rng.permutation(len(items))
-        mean_length = max(1.0, float(np.mean([self.padded(s, j) for s, j in items]))) if items else 1.0
-        window = max(1, int(GROUP_BATCHES * self.settings.batch_tokens / mean_length))
-        batches: list[list[tuple[int, int]]] = []
-        for start in range(0, len(order), window):
-            group = sorted((items[i] for i in order[start:start + window]), key=lambda item: -self.padded(*item))
-            batches += self._pack(group)
-        return [batches[i] for i in rng.permutation(len(batches))]
-
-    def padded(self, store: int, j: int) -> int:
-        multiple = self.settings.pad_multiple
-        return -(-int(self.lengths[store][j]) // multiple) * multiple
-
-    def _pack(self, group: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """Greedy: a batch closes when one more row would exceed batch_tokens at the widest row's width."""
-        batches, current, widest = [], [], 0
-        for store, j in group:
-            width = self.padded(store, j)
-            if current and (len(current) + 1) * max(widest, width) > self.settings.batch_tokens:
-                batches.append(current)
-                current, widest = [], 0
-            current.append((store, j))
-            widest = max(widest, width)
-        return batches + ([current] if current else [])
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self.stores is None:
-            self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
-        sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
-        return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
-
-
-def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_multiple: int = 1
-            ) -> dict[str, torch.Tensor]:
-    """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
-    cached attention masks are reused across batches."""
-    lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
-    width, batch = -(-max(lengths) // pad_multiple) * pad_multiple, len(sequences)
-    hidden = sequences[0]["last_hidden_states"].shape[-1]
-    out = {
-        "input_ids": torch.zeros(batch, width, dtype=torch.long),
-        "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
-        "aux": torch.zeros(batch, width, 3 * hidden, dtype=torch.bfloat16),
-        "last": torch.zeros(batch, width, hidden, dtype=torch.bfloat16),
-        "valid": torch.zeros(batch, width, dtype=torch.bool),
-    }
-    for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
-        out["input_ids"][row, :n] = seq["input_ids"][:n]
-        out["loss_mask"][row, :n] = seq["loss_mask"][:n].bool()
-        out["aux"][row, :n] = seq["aux_hidden_states"][:n].reshape(n, 3 * hidden)  # layer order, like SGLang
-        out["last"][row, :n] = seq["last_hidden_states"][:n]
-        out["valid"][row, :n] = True
-    return out
-
-
-# ---------------------------------------------------------------- teacher and loss
-
-class Teacher:
-    """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft."""
-
-    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor):
-        self.lm_head = lm_head  # [V, H]
-        self.draft_ids = draft_ids  # [K]
-        self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
-        self.in_draft[draft_ids] = True
-
-    @torch.no_grad()
-    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = last.to(self.lm_head.dtype) @ self.lm_head.T  # [B,T,V]
-        argmax_in_draft = self.in_draft[logits.argmax(-1)]
-        probs = torch.softmax(logits[..., self.draft_ids].float(), dim=-1)
-        return probs, argmax_in_draft
-
-
-def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int,
-                decay: float, loss_fn=None) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts).
-
-    Step k at sequence position t is rotated at position t + k: a serving engine advances the rotary position
-    by one per draft step (vLLM `EagleProposer.propose`, SGLang `draft_forward`), so training must too.
-    Step k's prediction at t is compared with the teacher at t+1+k through slices (views, no copies of the
-    [B, T, K] teacher); positions without a teacher (the last 2+k) simply fall outside the slice."""
-    loss_fn = loss_fn or step_metrics
-    device = batch["input_ids"].device
-    batch_size, length = batch["input_ids"].shape
-    positions = torch.arange(length, device=device).expand(batch_size, length)
-    probs, argmax_in_draft = teacher(batch["last"])
-    predictable = batch["loss_mask"] & batch["valid"]  # an assistant token inside the sequence
-    hidden = batch["aux"].to(model.fc.weight.dtype)
-    cache: list = []
-    total = torch.zeros((), device=device)
-    metrics = []
-    for k in range(steps):
-        span = max(length - 2 - k, 0)  # positions t whose target token x[t+2+k] exists
-        logits, hidden = model.step(shift_left(batch["input_ids"], 1 + k), hidden, positions + k, cache)
-        # predicted token x[t+2+k] must be an assistant token; its teacher argmax must be drafter-reachable
-        counts = predictable[:, 2 + k:] & argmax_in_draft[:, 1 + k: 1 + k + span]
-        step = loss_fn(logits[:, :span], probs[:, 1 + k: 1 + k + span], counts)
-        total = total + (decay ** k) * step.pop("mean_loss")
-        metrics.append(step)
-    return total, metrics
-
-
-def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Soft cross-entropy (mean, differentiable) plus sums over counted positions: loss, correct top-1,
-    expected acceptance sum(min(p_draft, q_teacher)), count. Masked sums, not boolean indexing: indexing by a
-    mask waits for the GPU to know the count; sums stay tensors for the same reason."""
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    n = counts.sum()
-    per_position = torch.where(counts, -(target_probs * log_q).sum(-1), 0.0)
-    mean_loss = per_position.sum() / n.clamp(min=1)
-    with torch.no_grad():
-        correct = ((logits.argmax(-1) == target_probs.argmax(-1)) & counts).sum()
-        accept = torch.where(counts, torch.minimum(log_q.exp(), target_probs).sum(-1), 0.0).sum()
-    return {"mean_loss": mean_loss, "loss": per_position.detach().sum(), "correct": correct, "accept": accept,
-            "count": n}
-
-
-class TTTObjective(torch.nn.Module):
-    """The drafter plus its training objective, as one module so DDP's gradient hooks see the whole step."""
-
-    def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float, loss_fn=None):
-        super().__init__()
-        self.drafter, self.teacher, self.steps, self.decay = drafter, teacher, steps, decay
-        self.loss_fn = loss_fn or step_metrics
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay, self.loss_fn)
-
-
-def compiled_loss(settings: TrainSettings, device: torch.device, log: logging.Logger):
-    """`step_metrics` through torch.compile where asked (auto: on GPU): the soft cross-entropy, top-1 and
-    acceptance sums then read the [N, K] logits and teacher once, fused, instead of in a dozen passes.
-    Falls back to eager, saying why, when compilation fails here."""
-    if settings.compile in ("off", False) or (settings.compile == "auto" and device.type != "cuda"):
-        return step_metrics
-    compiled = torch.compile(step_metrics, dynamic=True)
-    try:  # the probe's random numbers must not shift the training RNG (a resumed run would diverge)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
-            probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
-            compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
-    except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
-        log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
-                    type(exc).__name__, str(exc)[:300])
-        return step_metrics
-    log.info("loss compiled with torch.compile")
-    return compiled
 
 
 # ---------------------------------------------------------------- set-up helpers
@@ -417,12 +234,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
                           settings.drafter_intermediate_size).to(device)
-    use_flex = settings.attention == "flex" or (settings.attention == "auto" and device.type == "cuda")
-    problem = flex_attention_problem(device) if use_flex else None
-    if problem:
-        log.warning("flex attention unavailable on %s (%s); using the explicit TTT attention", device, problem)
-    model.use_flex_attention(use_flex and problem is None)
-    log.info("TTT attention: %s", "flex (fused kernel)" if use_flex and problem is None else "eager")
+    attention = choose_ttt_attention(settings.attention, device, log)
     _, lm_head = read_target_head(target_dir)
     teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = Teacher(lm_head.to(device, teacher_dtype), model.draft_to_target(
@@ -455,13 +267,13 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
         truncate_metrics(metrics_path, start)
-    selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device) \
+    selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device, attention) \
         if heldout_paths and is_main_process() else None
     # step s consumes batches (s-1)*world .. s*world-1: an epoch's last batch is in step ceil(end / world)
     epoch_end_steps = {min(-(-end // world), steps_total): epoch + 1 for epoch, end in enumerate(schedule.epoch_ends)}
     epoch_end_steps[steps_total] = epoch_end_steps.get(steps_total, settings.epochs)
     objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay,
-                             compiled_loss(settings, device, log))
+                             compiled_loss(settings.compile, device, log), attention)
     if distributed:
         objective = torch.nn.parallel.DistributedDataParallel(objective)
     loader = torch.utils.data.DataLoader(
@@ -539,9 +351,10 @@ class HeldoutSelection:
     Resuming at step s keeps the rows and best weights of steps <= s (later ones are recomputed identically)."""
 
     def __init__(self, paths: list[Path], settings: TrainSettings, lm_head: torch.Tensor, state_dir: Path,
-                 start: int, device: torch.device):
+                 start: int, device: torch.device, attention: TTTKernel):
         self.schedule = BatchSchedule(paths, TrainSettings(**(asdict(settings) | {"epochs": 1})))
         self.settings, self.lm_head, self.device = settings, lm_head, device
+        self.attention = attention  # the training's TTT kernel: the estimate unrolls the drafter the same way
         self.csv, self.best_path = state_dir / HELDOUT_FILE, state_dir / BEST_WEIGHTS_FILE
         truncate_metrics(self.csv, start)
         self.best_step, self.best_tau = self._read_best(start)
@@ -558,7 +371,8 @@ class HeldoutSelection:
     def evaluate(self, model: Drafter, step: int, epoch: int) -> None:
         tick = time.perf_counter()
         batches = (self.schedule[i] for i in range(len(self.schedule)))
-        result = offline_acceptance.estimate(model, self.lm_head, batches, self.settings.ttt_steps, self.device)
+        result = offline_acceptance.estimate(model, self.lm_head, batches, self.settings.ttt_steps, self.device,
+                                             self.attention)
         k = min(self.settings.heldout_select_k, len(result.tau))
         tau = result.tau[k - 1]
         append_metrics(self.csv, {"step": step, "epoch": epoch} | result.row())

@@ -1,0 +1,109 @@
+"""Length-grouped batches: the training schedule over hidden-state stores, and the greedy packer it shares
+with extraction (stages/extract.plan_batches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from eagle3_pipeline.formats import hidden_store
+
+GROUP_BATCHES = 64  # length-sorting window of the batch schedule, in batches
+
+
+class PackingSettings(Protocol):
+    """What the schedule reads from the training settings (train.TrainSettings has these fields)."""
+    batch_tokens: int
+    max_seq_len: int
+    pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
+    seed: int
+    epochs: int
+
+
+def pack_greedy(widths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Consecutive runs of indices into `widths`: a batch closes when one more row would make its padded size
+    (rows x widest row) exceed the budget. A row wider than the budget gets a batch of its own."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    widest = 0
+    for index, width in enumerate(widths):
+        if current and (len(current) + 1) * max(widest, width) > token_budget:
+            batches.append(current)
+            current, widest = [], 0
+        current.append(index)
+        widest = max(widest, width)
+    return batches + ([current] if current else [])
+
+
+def padded_width(length: int, multiple: int) -> int:
+    return -(-int(length) // multiple) * multiple
+
+
+def epoch_batches(lengths: list[np.ndarray], settings: PackingSettings, epoch: int) -> list[list[tuple[int, int]]]:
+    """One epoch's batches of (store, sequence) items, a pure function of (seed, epoch): shuffle, then sort by
+    length inside windows of about GROUP_BATCHES batches before packing, then shuffle the batches. Batches hold
+    sequences of similar length (little padding) while every epoch still mixes the whole data set."""
+    items = [(s, j) for s, store_lengths in enumerate(lengths) for j in range(len(store_lengths))]
+    widths = [padded_width(lengths[s][j], settings.pad_multiple) for s, j in items]
+    rng = np.random.default_rng([settings.seed, epoch])
+    order = rng.permutation(len(items))
+    mean_width = max(1.0, float(np.mean(widths))) if items else 1.0
+    window = max(1, int(GROUP_BATCHES * settings.batch_tokens / mean_width))
+    batches: list[list[tuple[int, int]]] = []
+    for start in range(0, len(order), window):
+        group = sorted(order[start:start + window], key=lambda i: -widths[i])  # stable: ties keep shuffled order
+        batches += [[items[group[m]] for m in members]
+                    for members in pack_greedy([widths[i] for i in group], settings.batch_tokens)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+class BatchSchedule(torch.utils.data.Dataset):
+    """Item i is training batch i: a deterministic function of (seed, epoch), so a resumed run sees the
+    same batches, and DataLoader workers read the zarr stores in parallel."""
+
+    def __init__(self, store_paths: list[Path], settings: PackingSettings):
+        self.paths = [Path(p) for p in store_paths]
+        self.settings = settings
+        self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
+        self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
+        self.batches: list[list[tuple[int, int]]] = []
+        self.epoch_ends: list[int] = []  # batch count at the end of each epoch
+        for epoch in range(settings.epochs):
+            self.batches += epoch_batches(self.lengths, settings, epoch)
+            self.epoch_ends.append(len(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.stores is None:
+            self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
+        sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
+        return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
+
+
+def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_multiple: int = 1
+            ) -> dict[str, torch.Tensor]:
+    """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
+    cached attention masks are reused across batches."""
+    lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
+    width, batch = padded_width(max(lengths), pad_multiple), len(sequences)
+    hidden = sequences[0]["last_hidden_states"].shape[-1]
+    out = {
+        "input_ids": torch.zeros(batch, width, dtype=torch.long),
+        "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
+        "aux": torch.zeros(batch, width, 3 * hidden, dtype=torch.bfloat16),
+        "last": torch.zeros(batch, width, hidden, dtype=torch.bfloat16),
+        "valid": torch.zeros(batch, width, dtype=torch.bool),
+    }
+    for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
+        out["input_ids"][row, :n] = seq["input_ids"][:n]
+        out["loss_mask"][row, :n] = seq["loss_mask"][:n].bool()
+        out["aux"][row, :n] = seq["aux_hidden_states"][:n].reshape(n, 3 * hidden)  # layer order, like SGLang
+        out["last"][row, :n] = seq["last_hidden_states"][:n]
+        out["valid"][row, :n] = True
+    return out

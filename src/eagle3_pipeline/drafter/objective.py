@@ -1,0 +1,121 @@
+"""The training-time test (TTT) objective: the drafter unrolled over k draft steps against the frozen target.
+
+Targets: at step k the drafter sees token x[t+1+k] and (step 0) the target's aux features at t, or (k>0)
+its own previous output, and must match the target's distribution at position t+1+k, i.e. predict
+x[t+2+k]. The teacher is the frozen target lm_head applied to the stored post-norm final state,
+restricted (renormalised) to the draft vocab. A position counts when the predicted token is an
+assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from eagle3_pipeline.drafter.attention import TTTKV, TTTKernel, explicit_ttt_attention
+from eagle3_pipeline.drafter.model import Drafter
+
+
+def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+by] (padded with `fill`): the token a chain step at position t is fed, by step."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+class Teacher:
+    """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor):
+        self.lm_head = lm_head  # [V, H]
+        self.draft_ids = draft_ids  # [K]
+        self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+        self.in_draft[draft_ids] = True
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = last.to(self.lm_head.dtype) @ self.lm_head.T  # [B,T,V]
+        argmax_in_draft = self.in_draft[logits.argmax(-1)]
+        probs = torch.softmax(logits[..., self.draft_ids].float(), dim=-1)
+        return probs, argmax_in_draft
+
+
+def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,
+                loss_fn=None, attention: TTTKernel = explicit_ttt_attention
+                ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts).
+
+    Step k at sequence position t is rotated at position t + k: a serving engine advances the rotary position
+    by one per draft step (vLLM `EagleProposer.propose`, SGLang `draft_forward`), so training must too.
+    Step k's prediction at t is compared with the teacher at t+1+k through slices (views, no copies of the
+    [B, T, K] teacher); positions without a teacher (the last 2+k) simply fall outside the slice."""
+    loss_fn = loss_fn or step_metrics
+    device = batch["input_ids"].device
+    batch_size, length = batch["input_ids"].shape
+    positions = torch.arange(length, device=device).expand(batch_size, length)
+    probs, argmax_in_draft = teacher(batch["last"])
+    predictable = batch["loss_mask"] & batch["valid"]  # an assistant token inside the sequence
+    hidden = batch["aux"].to(model.fc.weight.dtype)
+    cache = TTTKV(attention)
+    total = torch.zeros((), device=device)
+    metrics = []
+    for k in range(steps):
+        span = max(length - 2 - k, 0)  # positions t whose target token x[t+2+k] exists
+        logits, hidden, cache = model(shift_left(batch["input_ids"], 1 + k), hidden, positions + k, cache)
+        # predicted token x[t+2+k] must be an assistant token; its teacher argmax must be drafter-reachable
+        counts = predictable[:, 2 + k:] & argmax_in_draft[:, 1 + k: 1 + k + span]
+        step = loss_fn(logits[:, :span], probs[:, 1 + k: 1 + k + span], counts)
+        total = total + (decay ** k) * step.pop("mean_loss")
+        metrics.append(step)
+    return total, metrics
+
+
+def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Soft cross-entropy (mean, differentiable) plus sums over counted positions: loss, correct top-1,
+    expected acceptance sum(min(p_draft, q_teacher)), count. Masked sums, not boolean indexing: indexing by a
+    mask waits for the GPU to know the count; sums stay tensors for the same reason."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    n = counts.sum()
+    per_position = torch.where(counts, -(target_probs * log_q).sum(-1), 0.0)
+    mean_loss = per_position.sum() / n.clamp(min=1)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == target_probs.argmax(-1)) & counts).sum()
+        accept = torch.where(counts, torch.minimum(log_q.exp(), target_probs).sum(-1), 0.0).sum()
+    return {"mean_loss": mean_loss, "loss": per_position.detach().sum(), "correct": correct, "accept": accept,
+            "count": n}
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter plus its training objective, as one module so DDP's gradient hooks see the whole step."""
+
+    def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float, loss_fn=None,
+                 attention: TTTKernel = explicit_ttt_attention):
+        super().__init__()
+        self.drafter, self.teacher, self.steps, self.decay = drafter, teacher, steps, decay
+        self.loss_fn = loss_fn or step_metrics
+        self.attention = attention
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay, self.loss_fn, self.attention)
+
+
+def compiled_loss(mode: str | bool, device: torch.device, log: logging.Logger):
+    """`step_metrics` through torch.compile where `mode` (`train.compile`: "on", "off", "auto" = on GPU) asks:
+    the soft cross-entropy, top-1 and acceptance sums then read the [N, K] logits and teacher once, fused,
+    instead of in a dozen passes. Falls back to eager, saying why, when compilation fails here."""
+    if mode in ("off", False) or (mode == "auto" and device.type != "cuda"):
+        return step_metrics
+    compiled = torch.compile(step_metrics, dynamic=True)
+    try:  # the probe's random numbers must not shift the training RNG (a resumed run would diverge)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
+            probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
+            compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
+    except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
+        log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
+                    type(exc).__name__, str(exc)[:300])
+        return step_metrics
+    log.info("loss compiled with torch.compile")
+    return compiled
