@@ -456,9 +456,9 @@ def prompt_digest(prompt: Prompt) -> str:
 
 def fingerprint(target_dir: Path, serving_dir: Path, settings: dict[str, Any]) -> str:
     """What decides the traces: the drafter's files, the target and the output-defining settings."""
-    from eagle3_pipeline import target
+    from eagle3_pipeline.formats.target_dir import read_identity
 
-    digest = hashlib.sha256(target.read_identity(target_dir)["content_hash"].encode())
+    digest = hashlib.sha256(read_identity(target_dir)["content_hash"].encode())
     for path in sorted(Path(serving_dir).iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     defining = {key: settings.get(key) for key in ("dtype", "max_new_tokens", "draft_lengths", "untrained_baseline")}
