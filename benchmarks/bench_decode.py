@@ -20,10 +20,10 @@ import torch
 
 from eagle3_pipeline import assets
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.stages import evaluate, target
-from eagle3_pipeline.stages.train import read_target_head
 
 
 def target_directory(source: str, scratch: Path) -> Path:
@@ -38,7 +38,7 @@ def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: to
     config = loading.load_config(target_dir)
     layers = config.num_hidden_layers
     drafter = Drafter(DrafterConfig.from_target(config, draft_vocab, [2, layers // 2, layers - 3]))
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embedding.float())
     return drafter.to(device, dtype).eval()

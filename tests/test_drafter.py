@@ -13,12 +13,12 @@ from safetensors import safe_open
 
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import hidden_store, zarr_io
+from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import (
     Teacher,
     TrainSettings,
     fingerprint_changes,
-    read_metrics,
     run_fingerprint,
     shift_left,
     step_metrics,

@@ -7,11 +7,12 @@ import logging
 import pytest
 import torch
 
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model
 from eagle3_pipeline.stages import evaluate, export
 from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
-from eagle3_pipeline.stages.train import TrainSettings, read_target_head, train
+from eagle3_pipeline.stages.train import TrainSettings, train
 
 from .tiny_models import tiny_target_with_store
 
@@ -45,7 +46,7 @@ def trained(tmp_path_factory):
                   TrainSettings(ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256,
                                 max_seq_len=64, checkpoint_every=100, log_every=5, num_workers=0, device="cpu"))
     export.export(model, tmp / "serving", dtype="float32")
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     drafter = export.load(tmp / "serving", embedding=embedding.float())
     target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store

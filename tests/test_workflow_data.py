@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import vocab
-from eagle3_pipeline.formats import conversation_shards, journal, token_shards
+from eagle3_pipeline.formats import conversation_shards, draft_vocab, journal, token_shards
 
 from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
 
@@ -57,7 +56,7 @@ def test_data_stage_end_to_end(tmp_path, target_dir):
         total += len(data)
         assert (tmp_path / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
     assert total == expected - 4
-    draft = vocab.load(results / "vocab" / "draft_vocab.safetensors")
+    draft = draft_vocab.read(results / "vocab" / "draft_vocab.safetensors")
     assert len(draft.draft_ids) == 500 and len(draft.counts) == 49152
     stats = json.loads((results / "vocab" / "data_stats.json").read_text())
     assert stats["total_tokens"] == sum(s["num_tokens"] for s in stats["shards"].values())

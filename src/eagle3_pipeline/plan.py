@@ -233,9 +233,12 @@ def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], dat
 
 def target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
     """The target's config.json: materialised copy, else the source directory, else the local HF cache."""
-    for config_path in (Path(target_dir) / "config.json", Path(source) / "config.json"):
-        if config_path.is_file():
-            return json.loads(config_path.read_text())
+    from eagle3_pipeline.formats.target_dir import read_config
+
+    for directory in (Path(target_dir), Path(source)):
+        config = read_config(directory)
+        if config is not None:
+            return config
     if source.count("/") == 1 and not Path(source).exists():
         from huggingface_hub import try_to_load_from_cache
 

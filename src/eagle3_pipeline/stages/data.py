@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from eagle3_pipeline import systemic, vocab
-from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.formats import draft_vocab, token_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import ClearError, Progress
 from eagle3_pipeline.runtime.loading import load_config
@@ -101,7 +101,7 @@ def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int
                          f"see the tokenize logs (an end-of-turn or template problem: data.end_of_turn, "
                          f"target.chat_template)")
     draft = vocab.select(counts, min(draft_vocab_size, vocab_size))
-    vocab.save(draft, output)
+    draft_vocab.write(output, draft)
     distinct = int((counts > 0).sum())
     log.info("draft vocab: %d of %d ids; %d distinct assistant tokens seen; coverage of assistant tokens %.4f",
              len(draft.draft_ids), vocab_size, distinct, draft.coverage)

@@ -509,14 +509,14 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
                 timing_pass: bool = False) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
+    from eagle3_pipeline.formats.target_dir import read_head
     from eagle3_pipeline.runtime import decode as runtime
     from eagle3_pipeline.runtime.backends.hf import pick_device
     from eagle3_pipeline.stages import export
-    from eagle3_pipeline.stages.train import read_target_head
 
     device = pick_device(settings["device"])
     dtype = getattr(torch, settings["dtype"])
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     drafter = export.load(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
     drafters = {"eagle3": drafter}
     if settings["untrained_baseline"]:
