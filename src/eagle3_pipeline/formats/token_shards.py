@@ -25,6 +25,7 @@ from eagle3_pipeline.tokenization import TokenizedConversation
 
 FORMAT = "eagle3-token-shard"
 SCHEMA_VERSION = 2  # 2: a crc32c on every chunk
+ARRAYS = ("input_ids", "loss_mask", "seq_offsets", "sample_ids")
 BYTES_PER_TOKEN = 4 + 1  # input_ids int32 + loss_mask uint8, before compression
 
 
@@ -96,6 +97,9 @@ def read_attrs(path: Path) -> dict[str, Any]:
 def validate(path: Path) -> dict[str, Any]:
     group, attrs = zarr_io.open_complete(path, FORMAT, "token shard", InvalidTokenShard, SCHEMA_VERSION,
                                          job="tokenize")
+    missing = [name for name in ARRAYS if name not in group]
+    if missing:
+        raise InvalidTokenShard(f"{path}: arrays {missing} missing; rerun its tokenize job")
     try:
         offsets = zarr_io.read_rows(path, "seq_offsets", group["seq_offsets"], 0, group["seq_offsets"].shape[0])
     except zarr_io.CorruptChunk as exc:
