@@ -22,7 +22,7 @@ shard = token_shards.read(Path(snakemake.input.tokens))
 sequences = [shard.sequence(i)[0][: settings["max_tokens"]] for i in range(min(settings["sequences"], len(shard)))]
 backend = backends.from_config(snakemake.params.extract, target_dir, trust)
 reference = load_model(target_dir, device=pick_device(settings["device"]), dtype=torch.float32,
-                              trust_remote_code=trust)
+                       trust_remote_code=trust)
 report = parity.check(backend, reference, sequences, log)
 if not report.passed:
     log.error("parity check FAILED for backend %s:\n  %s", report.backend, "\n  ".join(report.problems))
