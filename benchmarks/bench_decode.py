@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import assets, target
+from eagle3_pipeline import assets
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.runtime import decode as runtime
-from eagle3_pipeline.stages import evaluate
-from eagle3_pipeline.stages.train import read_target_head
+from eagle3_pipeline.runtime import loading
+from eagle3_pipeline.stages import evaluate, target
 
 
 def target_directory(source: str, scratch: Path) -> Path:
@@ -34,10 +35,10 @@ def target_directory(source: str, scratch: Path) -> Path:
 
 
 def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype) -> Drafter:
-    config = target.load_config(target_dir)
+    config = loading.load_config(target_dir)
     layers = config.num_hidden_layers
     drafter = Drafter(DrafterConfig.from_target(config, draft_vocab, [2, layers // 2, layers - 3]))
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embedding.float())
     return drafter.to(device, dtype).eval()
@@ -59,12 +60,12 @@ def main() -> None:
     prompts = evaluate.load_prompts(assets.resolve("mtbench-package"), args.prompts)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as scratch:
         target_dir = target_directory(args.target, Path(scratch))
-        tokenizer = target.load_tokenizer(target_dir)
+        tokenizer = loading.load_tokenizer(target_dir)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             rates = {}
             for compiled in (False, True) if not args.eager_only else (False,):
-                model = target.load_model(target_dir, device=device, dtype=dtype)
+                model = loading.load_model(target_dir, device=device, dtype=dtype)
                 drafter = untrained_drafter(target_dir, 16384, device, dtype)
                 decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=compiled, log=log)
                 result = evaluate.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],

@@ -126,7 +126,7 @@ def main() -> None:
         big(args, device, workdir)
         shutil.rmtree(workdir)
         return
-    from eagle3_pipeline.target import load_model
+    from eagle3_pipeline.runtime.loading import load_model
 
     model = load_model(args.target, device=device, dtype=pick_dtype("auto", device))
     backend = HFBackend(model)

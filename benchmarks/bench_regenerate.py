@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3_pipeline import conversations
+from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 
@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
-    chats = conversations.read_jsonl(args.conversations)[: args.count]
+    chats = conversation_shards.read(args.conversations)[: args.count]
     turns = sum(m["role"] == "assistant" for c in chats for m in c["messages"])
     settings = regenerate.Settings(max_new_tokens=args.max_new, batch_size=args.batch, max_context_tokens=2048,
                                    device=args.device)

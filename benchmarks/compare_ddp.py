@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3_pipeline.stages.train import read_metrics
+from eagle3_pipeline.formats.metrics import read as read_metrics
 
 
 def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -> list[dict[str, float]]:

@@ -4,6 +4,7 @@ from functools import cache
 from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import workflow_config
+from eagle3_pipeline.formats.target_dir import is_materialised
 
 
 def is_dry_run():
@@ -41,7 +42,7 @@ PLOTS = f"{RESULTS}/report"
 
 try:
     SETTINGS = workflow_config.check(config, dry_run=is_dry_run(),
-                                     target_materialised=Path(TARGET_DIR, "identity.json").is_file())
+                                     target_materialised=is_materialised(TARGET_DIR))
     workflow_config.check_target_family(Path(TARGET_DIR), config["target"], SETTINGS.target_source)
 except workflow_config.ConfigError as exc:
     sys.exit(f"Config error: {exc}")  # one line, no traceback

@@ -1,12 +1,12 @@
 """Rule `evaluate`: speculative decoding on one prompt set with the exported drafter and the baselines."""
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
 
 from eagle3_pipeline import logs
+from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.stages import evaluate
 
 snakemake = globals()["snakemake"]
@@ -22,7 +22,5 @@ progress_dir = output.with_name(output.name + ".progress")  # beside the output:
 results = evaluate.run_job(Path(snakemake.input.target), Path(snakemake.input.serving), prompts, settings,
                            snakemake.params.trust_remote_code, snakemake.log[0], log, progress_dir)
 results["prompt_file"] = str(snakemake.input.prompts)
-partial = output.with_name(output.name + ".partial")
-partial.write_text(json.dumps(results, indent=2))
-partial.replace(output)
+evaluation.write_results(output, results)
 shutil.rmtree(progress_dir)

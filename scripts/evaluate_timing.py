@@ -1,11 +1,11 @@
 """Rule `evaluate_timing`: the timing pass - speeds of every method in one process, after the tau pass."""
 
-import json
 from pathlib import Path
 
 import torch
 
 from eagle3_pipeline import logs
+from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.stages import evaluate
 
 snakemake = globals()["snakemake"]
@@ -20,6 +20,4 @@ log.info("timing pass: %d prompts from each of %s on %s (%s), %d new tokens, k i
 results = evaluate.run_timing(Path(snakemake.input.target), Path(snakemake.input.serving), prompt_sets, settings,
                               snakemake.params.trust_remote_code, log)
 output = Path(snakemake.output[0])
-partial = output.with_name(output.name + ".partial")
-partial.write_text(json.dumps(results, indent=2))
-partial.replace(output)
+evaluation.write_results(output, results)

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline import logs, target
+from eagle3_pipeline import logs
+from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.runtime import backends
 from eagle3_pipeline.stages import extract as extract_stage
 
@@ -14,7 +15,7 @@ settings = snakemake.params.extract
 torch.set_num_threads(snakemake.threads)
 target_dir = Path(snakemake.input.target)
 backend = backends.from_config(settings, target_dir, snakemake.params.trust_remote_code)
-identity = target.read_identity(target_dir)
+identity = read_identity(target_dir)
 attrs = extract_stage.extract_shard(
     backend, Path(snakemake.input.tokens), Path(snakemake.output[0]), settings["token_budget"],
     settings["writer_threads"],

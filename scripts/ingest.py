@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from eagle3_pipeline import conversations, logs
+from eagle3_pipeline.formats import conversation_shards
 
 snakemake = globals()["snakemake"]
 log = logs.setup(snakemake.log[0])
@@ -18,8 +19,8 @@ if data.get("weights"):  # by source file name: normalized conversations record 
 shards, held_out = conversations.split(kept, data["num_shards"], data["eval_conversations"],
                                        data.get("train_conversations"), data["seed"], weights)
 for shard, path in zip(shards, snakemake.output.shards, strict=True):
-    conversations.write_jsonl(shard, Path(path))
-conversations.write_jsonl(held_out, Path(snakemake.output.eval))
+    conversation_shards.write(Path(path), shard)
+conversation_shards.write(Path(snakemake.output.eval), held_out)
 summary = report.as_dict() | {"train_conversations": sum(map(len, shards)), "eval_conversations": len(held_out),
                               "conversations_per_shard": [len(s) for s in shards]}
 Path(snakemake.output.report).write_text(json.dumps(summary, indent=2))

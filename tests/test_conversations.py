@@ -4,6 +4,7 @@ import pytest
 
 from eagle3_pipeline import conversations
 from eagle3_pipeline.conversations import IngestError, ingest, split
+from eagle3_pipeline.formats import conversation_shards
 
 from .conftest import sharegpt_record, tiny_conversations
 
@@ -126,8 +127,8 @@ def test_split_is_deterministic_and_disjoint():
 def test_jsonl_round_trip_is_atomic(tmp_path):
     path = tmp_path / "out.jsonl"
     data = [{"id": "x", "source": "s", "messages": [{"role": "user", "content": "é\n"}]}]
-    conversations.write_jsonl(data, path)
-    assert conversations.read_jsonl(path) == data
+    conversation_shards.write(path, data)
+    assert conversation_shards.read(path) == data
     assert not (tmp_path / "out.jsonl.partial").exists()
 
 
@@ -141,8 +142,8 @@ def test_lone_surrogates_are_replaced_and_counted_not_fatal(tmp_path):
     assert [c["id"] for c in kept] == ["conv0", "sur\ufffd", "conv1"]
     assert [m["content"] for m in kept[1]["messages"]] == ["hi \ufffd there", "ok \ufffd"]
     assert report.modified == {"lone_surrogates_replaced": 1} and not report.dropped
-    conversations.write_jsonl(kept, tmp_path / "out.jsonl")  # writes as UTF-8 now
-    assert conversations.read_jsonl(tmp_path / "out.jsonl") == kept
+    conversation_shards.write(tmp_path / "out.jsonl", kept)  # writes as UTF-8 now
+    assert conversation_shards.read(tmp_path / "out.jsonl") == kept
 
 
 def test_escaped_surrogate_in_an_array_is_replaced_while_raw_bad_bytes_still_drop(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eagle3_pipeline.stages.train import read_metrics
+from eagle3_pipeline.formats.metrics import read as read_metrics
 
 from .tiny_models import tiny_target_with_store
 

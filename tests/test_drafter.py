@@ -17,17 +17,17 @@ from eagle3_pipeline.drafter.batches import epoch_batches, pack_greedy, padded_w
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics, ttt_forward
 from eagle3_pipeline.formats import hidden_store, zarr_io
+from eagle3_pipeline.formats.metrics import read as read_metrics
+from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import (
     TrainSettings,
     fingerprint_changes,
-    read_metrics,
     run_fingerprint,
     summary,
     train,
 )
 from eagle3_pipeline.stages.train_main import data_error_line
-from eagle3_pipeline.target import load_config
 
 from .tiny_models import tiny_target_with_store
 

@@ -7,11 +7,12 @@ import logging
 import pytest
 import torch
 
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.loading import load_model
 from eagle3_pipeline.stages import evaluate, export
 from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
-from eagle3_pipeline.stages.train import TrainSettings, read_target_head, train
-from eagle3_pipeline.target import load_model
+from eagle3_pipeline.stages.train import TrainSettings, train
 
 from .tiny_models import tiny_target_with_store
 
@@ -45,7 +46,7 @@ def trained(tmp_path_factory):
                   TrainSettings(ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256,
                                 max_seq_len=64, checkpoint_every=100, log_every=5, num_workers=0, device="cpu"))
     export.export(model, tmp / "serving", dtype="float32")
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     drafter = export.load(tmp / "serving", embedding=embedding.float())
     target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store
@@ -150,7 +151,7 @@ def test_low_precision_counts_divergence_where_fp32_raises():
 def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
     """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
     from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-    from eagle3_pipeline.target import load_config
+    from eagle3_pipeline.runtime.loading import load_config
 
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(load_config(target_dir), draft_vocab_size, [2, 15, 27])
@@ -196,7 +197,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
 def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_path, monkeypatch, static_layers_crop):
     from transformers.cache_utils import StaticLayer
 
-    from eagle3_pipeline.target import load_tokenizer
+    from eagle3_pipeline.runtime.loading import load_tokenizer
 
     if not static_layers_crop:  # as in transformers 5.17 (the H200s' version): StaticLayer has no crop
         monkeypatch.delattr(StaticLayer, "crop")

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from eagle3_pipeline import target
+from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.runtime.backends import sglang_layer_ids
 from eagle3_pipeline.runtime.backends.hf import HFBackend
 from eagle3_pipeline.runtime.backends.sglang import SGLangBackend, SGLangError, prefill_states
@@ -25,7 +25,7 @@ HF_IDS = [2, 15, 27]  # SmolLM2's defaults (30 blocks)
 
 @pytest.fixture(scope="module")
 def model(target_dir):
-    return target.load_model(target_dir, "cpu")
+    return loading.load_model(target_dir, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +158,12 @@ def test_real_sglang_servers():
     from pathlib import Path
 
     target_dir = Path(os.environ["E3_SGLANG_TARGET_DIR"])
-    config = target.load_config(target_dir)
+    config = loading.load_config(target_dir)
     ids = [2, config.num_hidden_layers // 2, config.num_hidden_layers - 3]
     backend = SGLangBackend(os.environ["E3_SGLANG_AUX_URL"], os.environ["E3_SGLANG_FINAL_URL"], ids,
                             config.num_hidden_layers, config.hidden_size)
-    reference = target.load_model(target_dir, "cuda" if __import__("torch").cuda.is_available() else "cpu")
-    tokenizer = target.load_tokenizer(target_dir)
+    reference = loading.load_model(target_dir, "cuda" if __import__("torch").cuda.is_available() else "cpu")
+    tokenizer = loading.load_tokenizer(target_dir)
     sequences = [np.asarray(tokenizer("Speculative decoding drafts tokens.")["input_ids"], dtype=np.int32)]
     report = parity.check(backend, reference, sequences, LOG)
     assert report.passed, report.problems

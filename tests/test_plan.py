@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 
 from eagle3_pipeline import assets, plan
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import train
-from eagle3_pipeline.target import load_config
 
 
 def test_target_copy_estimate_matches_the_materialised_gguf_target(target_dir, tmp_path):

@@ -15,7 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagle3_pipeline import assets, conversations, target
+from eagle3_pipeline import assets
+from eagle3_pipeline.formats import conversation_shards
+from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 
@@ -83,17 +85,17 @@ def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(t
 
 def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path, target_dir):
     shard = tmp_path / "shard.jsonl"
-    conversations.write_jsonl(CHATS, shard)
+    conversation_shards.write(shard, CHATS)
     output = tmp_path / "out.jsonl"
     progress = tmp_path / "out.jsonl.progress.jsonl"
     chosen = settings(engine="hf")
-    fingerprint = regenerate.fingerprint(shard, chosen, target.read_identity(target_dir)["content_hash"])
+    fingerprint = regenerate.fingerprint(shard, chosen, read_identity(target_dir)["content_hash"])
     marked = {**CHATS[1], "messages": CHATS[1]["messages"][:2] + [{"role": "assistant", "content": "RESUMED"}]}
     progress.write_text(json.dumps({"fingerprint": fingerprint}) + "\n"
                         + json.dumps({"index": 1, "conversation": marked}) + "\n"
                         + '{"index": 2, "conversation": {"id": "c", "mess')  # the line a kill cut short
     summary = regenerate.run_shard(shard, output, target_dir, chosen, LOG)
-    result = conversations.read_jsonl(output)
+    result = conversation_shards.read(output)
     assert [c["id"] for c in result] == ["a", "b", "c"] and summary["resumed"] == 1
     assert result[1]["messages"][-1]["content"] == "RESUMED"  # kept, not regenerated
     assert result[2]["messages"][-1]["content"] not in ("", "RESUMED")  # the torn record was redone
@@ -103,7 +105,7 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
                         + json.dumps({"index": 1, "conversation": marked}) + "\n")
     summary = regenerate.run_shard(shard, output, target_dir, settings(max_new_tokens=6), LOG)
     assert summary["resumed"] == 0
-    assert conversations.read_jsonl(output)[1]["messages"][-1]["content"] != "RESUMED"
+    assert conversation_shards.read(output)[1]["messages"][-1]["content"] != "RESUMED"
 
 
 class FlakyChatServer:
@@ -254,13 +256,13 @@ def test_against_a_real_llama_cpp_server(tmp_path, target_dir):
             except OSError:
                 time.sleep(0.5)
         shard = tmp_path / "shard.jsonl"
-        conversations.write_jsonl(CHATS, shard)
+        conversation_shards.write(shard, CHATS)
         chosen = settings(engine="openai", url=f"http://127.0.0.1:{port}", concurrency=2, max_new_tokens=16)
         summary = regenerate.run_shard(shard, tmp_path / "out.jsonl", target_dir, chosen, LOG)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    result = conversations.read_jsonl(tmp_path / "out.jsonl")
+    result = conversation_shards.read(tmp_path / "out.jsonl")
     assert summary["kept"] == 3 and summary["replies"] == 5
     assert all(m["content"] for c in result for m in c["messages"])
     print(json.dumps([c["messages"] for c in result], indent=1))

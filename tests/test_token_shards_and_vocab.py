@@ -3,7 +3,7 @@ import pytest
 import zarr
 
 from eagle3_pipeline import vocab
-from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.formats import draft_vocab, token_shards
 from eagle3_pipeline.tokenization import TokenizedConversation
 
 
@@ -61,8 +61,8 @@ def test_draft_vocab_mapping_round_trip(tmp_path):
     # every chosen id is at least as frequent as every id left out
     assert counts[draft.draft_ids].min() >= np.delete(counts, draft.draft_ids).max()
     path = tmp_path / "v.safetensors"
-    vocab.save(draft, path)
-    loaded = vocab.load(path)
+    draft_vocab.write(path, draft)
+    loaded = draft_vocab.read(path)
     assert np.array_equal(loaded.draft_ids, draft.draft_ids) and np.array_equal(loaded.counts, counts)
 
 

@@ -11,8 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from eagle3_pipeline import conversations
-from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.tokenization import BUILTIN_CHAT_TEMPLATES
 
 from .conftest import base_config, run_snakemake, snakemake_command, tiny_conversations
@@ -51,7 +50,7 @@ def test_bom_surrogates_content_parts_and_a_giant_record_are_recovered(tmp_path,
     assert report["conversations_kept"] == 11 and report["dropped_total"] == 0
     assert report["modified"] == {"utf8_bom_stripped": 1, "lone_surrogates_replaced": 1,
                                   "content_parts_joined": 2, "non_text_content_parts_dropped": 1}
-    kept = {c["id"]: c for c in conversations.read_jsonl(tmp_path / "results/bad/conversations/shard-00000.jsonl")}
+    kept = {c["id"]: c for c in conversation_shards.read(tmp_path / "results/bad/conversations/shard-00000.jsonl")}
     assert kept["lone"]["messages"][0]["content"] == "half a pair: \ufffd"
     shard = token_shards.read(tmp_path / "results/bad/tokens/shard-00000.zarr")
     assert shard.attrs["cut_before_tokenizing"] == 1 and shard.attrs["truncated"] == 1
@@ -130,10 +129,10 @@ def test_a_template_less_target_stops_at_tokenize_naming_the_setting(tmp_path, t
     target = tmp_path / "results/bad/target"
     assert (target / "chat_template.jinja").read_text() == template.read_text()
     assert not (base_model / "chat_template.jinja").exists()  # the source directory is untouched
-    from eagle3_pipeline import target as target_module
+    from eagle3_pipeline.runtime import loading
 
-    tokenizer = target_module.load_tokenizer(target)
-    convs = {c["id"]: c for c in conversations.read_jsonl(tmp_path / "results/bad/conversations/shard-00000.jsonl")}
+    tokenizer = loading.load_tokenizer(target)
+    convs = {c["id"]: c for c in conversation_shards.read(tmp_path / "results/bad/conversations/shard-00000.jsonl")}
     shard = token_shards.read(tmp_path / "results/bad/tokens/shard-00000.zarr")
     assert len(shard) == 12
     for j, sample_id in enumerate(shard.sample_ids):

@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from eagle3_pipeline import conversations, vocab
-from eagle3_pipeline.formats import journal, token_shards
+from eagle3_pipeline.formats import conversation_shards, draft_vocab, journal, token_shards
 
 from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
 
@@ -57,7 +56,7 @@ def test_data_stage_end_to_end(tmp_path, target_dir):
         total += len(data)
         assert (tmp_path / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
     assert total == expected - 4
-    draft = vocab.load(results / "vocab" / "draft_vocab.safetensors")
+    draft = draft_vocab.read(results / "vocab" / "draft_vocab.safetensors")
     assert len(draft.draft_ids) == 500 and len(draft.counts) == 49152
     stats = json.loads((results / "vocab" / "data_stats.json").read_text())
     assert stats["total_tokens"] == sum(s["num_tokens"] for s in stats["shards"].values())
@@ -117,10 +116,10 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
     """Decode each sequence's masked tokens: they are the assistant replies of that conversation."""
     config, _ = tiny_config(tmp_path, target_dir, shards=2)
     run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00001.zarr")
-    from eagle3_pipeline import conversations, target
+    from eagle3_pipeline.runtime.loading import load_tokenizer
 
-    tokenizer = target.load_tokenizer(tmp_path / "results" / "tiny" / "target")
-    convs = {c["id"]: c for c in conversations.read_jsonl(
+    tokenizer = load_tokenizer(tmp_path / "results" / "tiny" / "target")
+    convs = {c["id"]: c for c in conversation_shards.read(
         tmp_path / "results" / "tiny" / "conversations" / "shard-00001.jsonl")}
     shard = token_shards.read(tmp_path / "results" / "tiny" / "tokens" / "shard-00001.zarr")
     for j, sample_id in enumerate(shard.sample_ids):
@@ -151,8 +150,8 @@ def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, ta
     run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00000.zarr")
     log = (tmp_path / "logs" / "tiny" / "regenerate" / "shard-00000.log").read_text()
     assert f"resuming with {len(finished_before)} finished conversations" in log and "tokens/s" in log
-    original = {c["id"]: c for c in conversations.read_jsonl(results / "conversations" / "shard-00000.jsonl")}
-    regenerated = conversations.read_jsonl(results / "regenerated" / "shard-00000.jsonl")
+    original = {c["id"]: c for c in conversation_shards.read(results / "conversations" / "shard-00000.jsonl")}
+    regenerated = conversation_shards.read(results / "regenerated" / "shard-00000.jsonl")
     assert [c["id"] for c in regenerated] == list(original)
     for record in finished_before:  # kept as they were, not redone
         assert regenerated[record["index"]] == record["conversation"]

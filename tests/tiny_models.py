@@ -22,6 +22,7 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
     import numpy as np
 
     from eagle3_pipeline import vocab as vocab_module
+    from eagle3_pipeline.formats import draft_vocab as draft_vocab_format
     from eagle3_pipeline.formats import token_shards
     from eagle3_pipeline.runtime.backends.hf import HFBackend
     from eagle3_pipeline.stages.extract import extract_shard
@@ -49,5 +50,5 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
     counts = vocab_module.count_tokens(np.concatenate([d.input_ids for d in data]),
                                        np.concatenate([d.loss_mask for d in data]), vocab)
     vocab_path = tmp_path / "vocab.safetensors"
-    vocab_module.save(vocab_module.select(counts, draft_vocab), vocab_path)
+    draft_vocab_format.write(vocab_path, vocab_module.select(counts, draft_vocab))
     return target_dir, store, vocab_path

@@ -1,7 +1,5 @@
-"""Conversation ingest: raw JSON/JSONL in ShareGPT or OpenAI shape -> normalized JSONL.
-
-The normalized format (defined here and only here) is one JSON object per line:
-    {"id": str, "source": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+"""Conversation ingest: raw JSON/JSONL in ShareGPT or OpenAI shape -> normalized conversations
+(`{"id", "source", "messages": [{"role", "content"}, ...]}`, written by formats/conversation_shards).
 
 Every dropped record is counted under a reason and the first few of each reason are kept as examples
 (file, record index, byte offset, why), so a user can find them. Truncated files keep every complete record.
@@ -11,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 import re
 from collections import Counter
@@ -442,17 +439,3 @@ def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: 
     order = list(range(len(weighted)))
     random.Random(seed + 2).shuffle(order)  # copies spread over the shards
     return [weighted[i] for i in order]
-
-
-def write_jsonl(conversations: list[dict[str, Any]], path: Path) -> None:
-    """Write atomically: a killed job never leaves a half-written file under the final name."""
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        for conversation in conversations:
-            handle.write(json.dumps(conversation, ensure_ascii=False) + "\n")
-    os.replace(partial, path)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]

@@ -25,7 +25,6 @@ EVAL_JSON_BYTES_PER_TRACE = 400
 MTBENCH_QUESTIONS = 80
 CHARS_PER_TOKEN = 4.1  # measured: ShareGPT V3 under SmolLM2's tokenizer, 400 conversations (docs/ARCHITECTURE.md)
 TEMPLATE_TOKENS_PER_TURN = 5  # role header and end-of-turn markers
-TOKEN_SHARD_BYTES_PER_TOKEN = 4 + 1  # int32 id + uint8 mask, before compression
 
 
 @dataclass
@@ -66,15 +65,13 @@ class StagePlan:
 
 
 def hidden_bytes_per_token(hidden_size: int, compression: float) -> tuple[float, float]:
-    """(raw, expected on disk) bytes per token of a hidden-state store: 4 bf16 vectors + id + mask, and
-    on disk a 4-byte crc32c per chunk of each of the two hidden arrays."""
-    from eagle3_pipeline.formats.hidden_store import HIDDEN_ARRAYS, Layout
-    from eagle3_pipeline.formats.zarr_io import CHECKSUM_BYTES
+    """(raw, expected on disk) bytes per token of a hidden-state store: its row size (formats/hidden_store:
+    4 bf16 vectors + id + mask), and on disk the hidden arrays compressed plus each chunk's crc32c."""
+    from eagle3_pipeline.formats import hidden_store
 
-    hidden = 4 * hidden_size * 2
-    raw = hidden + TOKEN_SHARD_BYTES_PER_TOKEN
-    checksums = len(HIDDEN_ARRAYS) * CHECKSUM_BYTES / Layout.for_hidden_size(hidden_size).chunk_rows
-    return raw, hidden / compression + TOKEN_SHARD_BYTES_PER_TOKEN / 2 + checksums
+    hidden, tokens = hidden_store.hidden_row_bytes(hidden_size), hidden_store.TOKEN_ROW_BYTES
+    raw = hidden + tokens
+    return raw, hidden / compression + tokens / 2 + hidden_store.checksum_bytes_per_row(hidden_size)
 
 
 def human_bytes(count: float) -> str:
@@ -217,8 +214,10 @@ class DiskPlan:
 def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], data: dict[str, Any],
           hidden_size: int | None, compression: float, results_dir: Path,
           fixed: list[FixedStage] | None = None, warnings: list[str] | None = None) -> DiskPlan:
+    from eagle3_pipeline.formats.token_shards import BYTES_PER_TOKEN
+
     counts = shard_token_counts(shard_names, paths["token_shard"], paths["conversation_shard"], inputs, data)
-    tokens = StagePlan("tokens", TOKEN_SHARD_BYTES_PER_TOKEN, TOKEN_SHARD_BYTES_PER_TOKEN / 2,
+    tokens = StagePlan("tokens", BYTES_PER_TOKEN, BYTES_PER_TOKEN / 2,
                        [ShardPlan(c.name, c.tokens, c.exact, Path(paths["token_shard"].format(shard=c.name)).exists())
                         for c in counts])
     stages = [tokens]
@@ -234,9 +233,12 @@ def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], dat
 
 def target_config(target_dir: Path, source: str, revision: str | None) -> dict[str, Any] | None:
     """The target's config.json: materialised copy, else the source directory, else the local HF cache."""
-    for config_path in (Path(target_dir) / "config.json", Path(source) / "config.json"):
-        if config_path.is_file():
-            return json.loads(config_path.read_text())
+    from eagle3_pipeline.formats.target_dir import read_config
+
+    for directory in (Path(target_dir), Path(source)):
+        config = read_config(directory)
+        if config is not None:
+            return config
     if source.count("/") == 1 and not Path(source).exists():
         from huggingface_hub import try_to_load_from_cache
 
@@ -301,9 +303,9 @@ def directory_bytes(path: Path) -> int:
 
 def target_copy(target_dir: Path, source: str, gguf_file: str | None, revision: str | None) -> FixedStage:
     """The materialised target: a GGUF dequantised to fp32 safetensors, or a copy of the HF files."""
-    from eagle3_pipeline.target import COPIED_FILES
+    from eagle3_pipeline.formats.target_dir import COPIED_FILES, is_materialised
 
-    if (Path(target_dir) / "identity.json").is_file():
+    if is_materialised(target_dir):
         size = directory_bytes(target_dir)
         return FixedStage("target", size, size, "exact")
     gguf = gguf_path(source, gguf_file)

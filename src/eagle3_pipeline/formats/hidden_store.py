@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,8 @@ import numpy as np
 import zarr
 
 from eagle3_pipeline import __version__
-from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.formats import atomic, zarr_io
+from eagle3_pipeline.formats.zarr_io import bf16_to_u16, u16_to_bf16  # noqa: F401 (the store's bf16 bits)
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,7 @@ PROGRESS_FILE = "progress.json"
 HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
 CHUNK_BYTES = 2 << 20  # ~2 MiB raw per chunk: small enough for random sequence reads
 SHARD_BYTES = 64 << 20  # ~64 MiB raw per zarr shard: a store is tens of files, not millions
+TOKEN_ROW_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8 per token row, before compression
 
 
 class InvalidStore(ValueError):
@@ -54,24 +55,20 @@ class Layout:
 
     @classmethod
     def for_hidden_size(cls, hidden_size: int, shard_bytes: int = SHARD_BYTES) -> Layout:
-        row_bytes = 4 * hidden_size * 2  # aux (3H) + last (H), bf16; the aux array sets the pace
+        row_bytes = hidden_row_bytes(hidden_size)  # the aux array sets the pace
         chunk_bytes = min(CHUNK_BYTES, shard_bytes)
         chunk_rows = 2 ** max(0, round(math.log2(max(1, chunk_bytes // (3 * hidden_size * 2)))))
         chunks_per_shard = max(1, shard_bytes // (chunk_rows * row_bytes))
         return cls(chunk_rows, chunk_rows * chunks_per_shard)
 
 
-# torch is imported where used: the disk plan reads Layout at Snakefile parse time, which must stay cheap
-def bf16_to_u16(tensor: torch.Tensor) -> np.ndarray:
-    import torch
-
-    return tensor.to(torch.bfloat16).contiguous().view(torch.uint16).numpy()
+def hidden_row_bytes(hidden_size: int) -> int:
+    return 4 * hidden_size * 2  # one token row of the hidden arrays: aux (3H) + last (H), bf16
 
 
-def u16_to_bf16(array: np.ndarray) -> torch.Tensor:
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16)
+def checksum_bytes_per_row(hidden_size: int) -> float:
+    """The crc32c every chunk of the two hidden arrays ends with, spread over the chunk's rows."""
+    return len(HIDDEN_ARRAYS) * zarr_io.CHECKSUM_BYTES / Layout.for_hidden_size(hidden_size).chunk_rows
 
 
 class StoreWriter:
@@ -80,7 +77,7 @@ class StoreWriter:
     def __init__(self, final: Path, num_tokens: int, hidden_size: int, metadata: dict[str, Any],
                  sequences: dict[str, np.ndarray | list[str]], writer_threads: int = 4,
                  shard_bytes: int = SHARD_BYTES):
-        self.final, self.partial = final, zarr_io.partial_path(final)
+        self.final, self.partial = final, atomic.partial_path(final)
         self.num_tokens, self.hidden_size = num_tokens, hidden_size
         self.layout = Layout.for_hidden_size(hidden_size, shard_bytes)
         self.metadata = metadata
@@ -99,7 +96,7 @@ class StoreWriter:
     def _resume_point(self, sequences: dict[str, Any]) -> int:
         progress_path = self.partial / PROGRESS_FILE
         if not progress_path.is_file():
-            zarr_io.start_partial(self.final)
+            atomic.start_partial_dir(self.final)
             return 0
         progress = json.loads(progress_path.read_text())
         same = (progress.get("schema_version") == SCHEMA_VERSION  # an older partial store lacks checksums
@@ -109,7 +106,7 @@ class StoreWriter:
                 and np.array_equal(zarr.open_group(str(self.partial), mode="r")["input_ids"][...],
                                    sequences["input_ids"]))
         if not same:  # written by other code or other inputs: start over
-            zarr_io.start_partial(self.final)
+            atomic.start_partial_dir(self.final)
             return 0
         return int(progress["rows_written"])
 
@@ -132,9 +129,7 @@ class StoreWriter:
         progress = {"rows_written": rows, "schema_version": SCHEMA_VERSION, "num_tokens": self.num_tokens,
                     "metadata": _jsonable(self.metadata),
                     "layout": [self.layout.chunk_rows, self.layout.rows_per_shard]}
-        tmp = self.partial / (PROGRESS_FILE + ".tmp")
-        tmp.write_text(json.dumps(progress))
-        os.replace(tmp, self.partial / PROGRESS_FILE)
+        atomic.atomic_write(self.partial / PROGRESS_FILE, json.dumps(progress))
 
     # -- streaming
     def append(self, aux: np.ndarray, last: np.ndarray) -> None:
@@ -203,7 +198,7 @@ class StoreWriter:
         self.group.attrs.update(attrs)
         (self.partial / PROGRESS_FILE).unlink()
         self.group.attrs["complete"] = True  # last
-        zarr_io.commit(self.partial, self.final)
+        atomic.commit_dir(self.partial, self.final)
 
     def abort(self) -> None:
         """On an error elsewhere: let submitted shard writes land and record them, so a rerun resumes after them."""

@@ -20,10 +20,13 @@ import numpy as np
 import zarr
 
 from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.formats.atomic import atomic_dir
 from eagle3_pipeline.tokenization import TokenizedConversation
 
 FORMAT = "eagle3-token-shard"
 SCHEMA_VERSION = 2  # 2: a crc32c on every chunk
+ARRAYS = ("input_ids", "loss_mask", "seq_offsets", "sample_ids")
+BYTES_PER_TOKEN = 4 + 1  # input_ids int32 + loss_mask uint8, before compression
 
 
 class InvalidTokenShard(ValueError):
@@ -51,27 +54,26 @@ class TokenShard:
 
 def write(path: Path, sequences: list[TokenizedConversation], attrs: dict[str, Any]) -> None:
     """Build the shard in a `.partial` sibling and rename it into place when complete."""
-    partial = zarr_io.start_partial(path)
     lengths = np.asarray([len(s.input_ids) for s in sequences], dtype=np.int64)
     offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     input_ids = np.concatenate([s.input_ids for s in sequences]) if sequences else np.zeros(0, np.int32)
     loss_mask = np.concatenate([s.loss_mask for s in sequences]) if sequences else np.zeros(0, np.uint8)
-    group = zarr.open_group(str(partial), mode="w")
-    zarr_io.write_array(group, "input_ids", input_ids.astype(np.int32))
-    zarr_io.write_array(group, "loss_mask", loss_mask.astype(np.uint8))
-    zarr_io.write_array(group, "seq_offsets", offsets)
-    zarr_io.write_strings(group, "sample_ids", [s.sample_id for s in sequences])
-    group.attrs.update({
-        **attrs,
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "num_sequences": len(sequences),
-        "num_tokens": int(offsets[-1]),
-        "num_loss_tokens": int(loss_mask.sum()),
-    })
-    group.attrs["complete"] = True  # last: a store without it was interrupted
-    zarr_io.commit(partial, path)
+    with atomic_dir(path) as partial:
+        group = zarr.open_group(str(partial), mode="w")
+        zarr_io.write_array(group, "input_ids", input_ids.astype(np.int32))
+        zarr_io.write_array(group, "loss_mask", loss_mask.astype(np.uint8))
+        zarr_io.write_array(group, "seq_offsets", offsets)
+        zarr_io.write_strings(group, "sample_ids", [s.sample_id for s in sequences])
+        group.attrs.update({
+            **attrs,
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "num_sequences": len(sequences),
+            "num_tokens": int(offsets[-1]),
+            "num_loss_tokens": int(loss_mask.sum()),
+        })
+        group.attrs["complete"] = True  # last: a store without it was interrupted
 
 
 def read(path: Path) -> TokenShard:
@@ -95,6 +97,9 @@ def read_attrs(path: Path) -> dict[str, Any]:
 def validate(path: Path) -> dict[str, Any]:
     group, attrs = zarr_io.open_complete(path, FORMAT, "token shard", InvalidTokenShard, SCHEMA_VERSION,
                                          job="tokenize")
+    missing = [name for name in ARRAYS if name not in group]
+    if missing:
+        raise InvalidTokenShard(f"{path}: arrays {missing} missing; rerun its tokenize job")
     try:
         offsets = zarr_io.read_rows(path, "seq_offsets", group["seq_offsets"], 0, group["seq_offsets"].shape[0])
     except zarr_io.CorruptChunk as exc:

@@ -1,4 +1,5 @@
-"""Shared zarr plumbing: the codecs, atomic directory commits and store-level checks.
+"""Shared zarr plumbing: the codecs, bf16 stored as uint16 bits and store-level checks (the atomic
+directory commit is `formats/atomic`).
 
 The two on-disk formats (token shards, hidden-state stores) are defined in `token_shards` and
 `hidden_store`; this module only holds what both need. Every stored chunk ends with a crc32c of its
@@ -8,13 +9,15 @@ compressed bytes (zarr v3's `crc32c` codec after Blosc), so every read verifies 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
+
+if TYPE_CHECKING:
+    import torch
 
 BLOSC_BLOCKSIZE = 1 << 20  # 1 MiB: Blosc's automatic block size loses ~15% of the ratio on activations
 BLOSC_CNAME, BLOSC_CLEVEL = "zstd", 1  # one definition for zarr's metadata and our own shard encoder
@@ -97,23 +100,18 @@ def write_whole_shard(array_dir: Path, shard_index: int, trailing_dims: int, pie
     os.replace(tmp, key)
 
 
-def partial_path(final: Path) -> Path:
-    return final.with_name(final.name + ".partial")
+# torch is imported where used: the disk plan reads these modules at Snakefile parse time, which must stay cheap
+def bf16_to_u16(tensor: torch.Tensor) -> np.ndarray:
+    """zarr has no bf16: the bits are stored as uint16."""
+    import torch
+
+    return tensor.to(torch.bfloat16).contiguous().view(torch.uint16).numpy()
 
 
-def start_partial(final: Path, keep_existing: bool = False) -> Path:
-    """The sibling directory a store is built in; an old leftover is removed unless resuming."""
-    partial = partial_path(final)
-    if partial.exists() and not keep_existing:
-        shutil.rmtree(partial)
-    return partial
+def u16_to_bf16(array: np.ndarray) -> torch.Tensor:
+    import torch
 
-
-def commit(partial: Path, final: Path) -> None:
-    """Atomically move a finished store into place (same filesystem, one rename)."""
-    if final.exists():
-        raise FileExistsError(f"{final} already exists; refusing to overwrite a finished store")
-    os.replace(partial, final)
+    return torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16)
 
 
 def write_array(group: zarr.Group, name: str, data: np.ndarray, chunk_rows: int = 1 << 16,

@@ -157,10 +157,10 @@ def remove_last_rows(cache: Any, count: int) -> None:
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
          timing_pass: bool, trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
     """The target (device and dtype as asked, aux capture, compiled where it should be) and its tokenizer."""
-    from eagle3_pipeline import target
+    from eagle3_pipeline.runtime import loading
 
-    tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
-    model = target.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = loading.load_tokenizer(target_dir, trust_remote_code)
+    model = loading.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     compiled, why = compile_decision(compile_setting, device, timing_pass)
     log.info("target step: %s (%s)", "compiled, static KV cache" if compiled else "eager", why)
     return TargetRuntime(model, aux_layer_ids, compiled=compiled, log=log), tokenizer

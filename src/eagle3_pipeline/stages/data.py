@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from eagle3_pipeline import systemic, target, vocab
-from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline import systemic, vocab
+from eagle3_pipeline.formats import draft_vocab, token_shards
+from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import ClearError, Progress
+from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.tokenization import (
     TemplateError,
     character_bound,
@@ -70,7 +72,7 @@ def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_d
                    "see the warnings above", first_template_error if failures["dropped_template_error"] else None)
     attrs = {
         "template_hash": template_hash(tokenizer),
-        "target_hash": target.read_identity(target_dir)["content_hash"],
+        "target_hash": read_identity(target_dir)["content_hash"],
         "end_of_turn": marker,
         "max_seq_len": max_seq_len,
         "overlength": overlength,
@@ -86,7 +88,7 @@ def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_d
 
 def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int, output: Path,
                 log: logging.Logger) -> dict[str, Any]:
-    vocab_size = target.load_config(target_dir).vocab_size
+    vocab_size = load_config(target_dir).vocab_size
     counts = np.zeros(vocab_size, dtype=np.int64)
     per_shard = {}
     for path in shard_paths:
@@ -99,7 +101,7 @@ def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int
                          f"see the tokenize logs (an end-of-turn or template problem: data.end_of_turn, "
                          f"target.chat_template)")
     draft = vocab.select(counts, min(draft_vocab_size, vocab_size))
-    vocab.save(draft, output)
+    draft_vocab.write(output, draft)
     distinct = int((counts > 0).sum())
     log.info("draft vocab: %d of %d ids; %d distinct assistant tokens seen; coverage of assistant tokens %.4f",
              len(draft.draft_ids), vocab_size, distinct, draft.coverage)

@@ -457,9 +457,9 @@ def prompt_digest(prompt: Prompt) -> str:
 
 def fingerprint(target_dir: Path, serving_dir: Path, settings: dict[str, Any]) -> str:
     """What decides the traces: the drafter's files, the target and the output-defining settings."""
-    from eagle3_pipeline import target
+    from eagle3_pipeline.formats.target_dir import read_identity
 
-    digest = hashlib.sha256(target.read_identity(target_dir)["content_hash"].encode())
+    digest = hashlib.sha256(read_identity(target_dir)["content_hash"].encode())
     for path in sorted(Path(serving_dir).iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     defining = {key: settings.get(key) for key in ("dtype", "max_new_tokens", "draft_lengths", "untrained_baseline")}
@@ -510,14 +510,14 @@ def load_models(target_dir: Path, serving_dir: Path, settings: dict[str, Any], t
                 timing_pass: bool = False) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
+    from eagle3_pipeline.formats.target_dir import read_head
     from eagle3_pipeline.runtime import decode as runtime
     from eagle3_pipeline.runtime.backends.hf import pick_device
     from eagle3_pipeline.stages import export
-    from eagle3_pipeline.stages.train import read_target_head
 
     device = pick_device(settings["device"])
     dtype = getattr(torch, settings["dtype"])
-    embedding, _ = read_target_head(target_dir)
+    embedding, _ = read_head(target_dir)
     drafter = export.load(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
     drafters = {"eagle3": drafter}
     if settings["untrained_baseline"]:

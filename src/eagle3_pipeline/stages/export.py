@@ -1,34 +1,16 @@
-"""The serving directory SGLang and vLLM load: `config.json` + `model.safetensors` (+ d2t/t2d inside).
-
-Weight names (no embedding; the server shares the target's):
-  fc.weight, midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight,
-  midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
-  norm.weight, lm_head.weight, d2t (int64 [K]), t2d (bool [V]).
-SGLang:  --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
-vLLM:    --speculative-config '{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 4}'
-"""
+"""Rule `export`: the trained drafter as the serving directory SGLang and vLLM load (formats/serving_dir)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.formats import drafter_weights, serving_dir
+from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.backends import sglang_layer_ids
-
-EXPORTED_NAMES = (
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-)
-DRAFTER_CONFIG_KEY = "eagle3_pipeline_drafter_config"
 
 
 def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
@@ -63,27 +45,19 @@ def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
 
 def export(model: Drafter, out_dir: Path, dtype: str = "bfloat16") -> None:
     """Write the serving directory atomically."""
-    partial = zarr_io.start_partial(out_dir)
-    partial.mkdir(parents=True)
-    state = model.trainable_state_dict()
-    if set(state) != set(EXPORTED_NAMES):
-        raise ValueError(f"unexpected drafter weights: {sorted(set(state) ^ set(EXPORTED_NAMES))}")
     cast = getattr(torch, dtype)
-    tensors = {k: (v.to(cast) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    (partial / "config.json").write_text(json.dumps(serving_config(model.config, dtype), indent=2))
-    zarr_io.commit(partial, out_dir)
+    tensors = {k: (v.to(cast) if v.is_floating_point() else v).contiguous().cpu()
+               for k, v in model.trainable_state_dict().items()}
+    serving_dir.write(out_dir, tensors, serving_config(model.config, dtype))
 
 
-def load(serving_dir: Path, embedding: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
+def load(directory: Path, embedding: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
     """Load an exported drafter (from the export, as a server would); the embedding comes from the target."""
-    config_json = json.loads((Path(serving_dir) / "config.json").read_text())
-    config = DrafterConfig(**config_json[DRAFTER_CONFIG_KEY])
-    model = Drafter(config)
-    state = load_file(str(Path(serving_dir) / "model.safetensors"))
+    config_json, state = serving_dir.read(directory)
+    model = Drafter(DrafterConfig(**config_json[DRAFTER_CONFIG_KEY]))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{serving_dir}: missing {missing}, unexpected {unexpected}")
+        raise ValueError(f"{directory}: missing {missing}, unexpected {unexpected}")
     if embedding is not None:
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embedding)
@@ -92,10 +66,7 @@ def load(serving_dir: Path, embedding: torch.Tensor | None = None, dtype: torch.
 
 def load_trained(weights_path: Path) -> Drafter:
     """The training rule's output (weights + the drafter config in the safetensors metadata)."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights_path), framework="pt") as handle:
-        config = DrafterConfig(**json.loads(handle.metadata()["drafter_config"]))
-    model = Drafter(config)
-    model.load_state_dict(load_file(str(weights_path)), strict=False)
+    config, weights = drafter_weights.read_trained(weights_path)
+    model = Drafter(DrafterConfig(**config))
+    model.load_state_dict(weights, strict=False)
     return model

@@ -5,8 +5,6 @@ prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eagle3_pipeline.stages.train import read_metrics  # noqa: E402
+from eagle3_pipeline.formats import metrics  # noqa: E402
+from eagle3_pipeline.formats.evaluation import (  # noqa: E402
+    TAU_COLUMNS,
+    TIMING_FILE,
+    read_evaluations,
+    read_results,
+    tau_rows,
+)
+from eagle3_pipeline.formats.target_dir import read_identity  # noqa: E402
 
 
 def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
@@ -36,39 +42,6 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
     plt.close(fig)
 
 
-TAU_COLUMNS = ("prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
-               "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)", "draft_ms_per_step (timing pass)",
-               "verify_ms_per_step (timing pass)", "prompts (timing pass)")
-TIMING_FILE = "timing/timing.json"  # under results/<run>/, written by the `evaluate_timing` rule
-
-
-def read_evaluations(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """Evaluation results (evaluation/<prompt set>.json, written by the `evaluate` rule) by prompt set."""
-    return {Path(p).stem: json.loads(Path(p).read_text()) for p in paths}
-
-
-def tau_rows(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> list[list[Any]]:
-    """One row per prompt set and method, in TAU_COLUMNS order: tau from the tau pass, speeds from the timing
-    pass (empty where the timing pass did not run that method, e.g. the untrained baseline)."""
-    rows = []
-    for name, result in evaluations.items():
-        for method, values in result["summary"].items():
-            speed = timing.get("sets", {}).get(name, {}).get(method)
-            speeds = ([f"{speed['tokens_per_s']:.1f}", f"{speed['speedup_vs_target']:.3f}",
-                       f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
-                      if speed else [""] * 5)
-            rows.append([name, method, f"{values.get('tau', 1.0):.3f}", f"{values.get('diverged_share', 0):.3f}",
-                         values["prompts"], *speeds])
-    return rows
-
-
-def tau_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any], out: Path) -> None:
-    with open(out, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(TAU_COLUMNS)
-        writer.writerows(tau_rows(evaluations, timing))
-
-
 def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
     """The tau/speedup table as aligned text, for the terminal."""
     rows = [list(TAU_COLUMNS)] + [[str(value) for value in row] for row in tau_rows(evaluations, timing)]
@@ -81,7 +54,7 @@ def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any
 def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:
     """Loss and per-step accuracy; with a held-out estimate in the training summary, a third panel: estimated
     tau per epoch for every draft length (the kept epoch marked)."""
-    rows = read_metrics(metrics_path)
+    rows = metrics.read(metrics_path)
     steps = [r["step"] for r in rows]
     ttt = sum(1 for key in rows[0] if key.startswith("acc_"))
     estimate = (train_summary or {}).get("heldout_estimate")
@@ -144,7 +117,7 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
-    identity = json.loads((Path(target_dir) / "identity.json").read_text())
+    identity = read_identity(target_dir)
     return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
             "target": identity, "packages": packages}
 
@@ -171,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run_dir / 'evaluation'}: no evaluation results yet", file=sys.stderr)
         return 1
     timing_path = run_dir / TIMING_FILE
-    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    timing = read_results(timing_path) if timing_path.exists() else {}
     print(f"tau and speedup ({run_dir / 'evaluation'}; speeds from {timing_path}):\n"
           f"{headline_table(read_evaluations(paths), timing)}")
     return 0

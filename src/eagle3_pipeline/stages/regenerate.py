@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle3_pipeline import conversations as conversation_io
 from eagle3_pipeline import systemic
-from eagle3_pipeline.formats import journal
+from eagle3_pipeline.formats import conversation_shards, journal
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 
@@ -116,18 +115,18 @@ class HFEngine:
     def __init__(self, target_dir: Path, settings: Settings, trust_remote_code: bool = False):
         import torch
 
-        from eagle3_pipeline import target
         from eagle3_pipeline.runtime.backends.hf import pick_device
+        from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 
         self.torch = torch
         device = pick_device(settings.device)
         dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
         self.settings, self.device = settings, device
-        self.tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
+        self.tokenizer = load_tokenizer(target_dir, trust_remote_code)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = target.load_model(target_dir, device, dtype, trust_remote_code)
+        self.model = load_model(target_dir, device, dtype, trust_remote_code)
         configured = self.model.generation_config.eos_token_id
         configured = configured if isinstance(configured, list) else [configured]
         self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id, *configured] if i is not None})
@@ -411,10 +410,11 @@ REGENERATE_FIXES = {
 def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings: Settings, log: logging.Logger,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """The `regenerate` rule: one conversation shard in, one regenerated shard out (atomic)."""
-    from eagle3_pipeline import target
+    from eagle3_pipeline.formats.target_dir import read_identity
+    from eagle3_pipeline.runtime.loading import load_tokenizer
 
-    identity = target.read_identity(target_dir)["content_hash"]
-    tokenizer = target.load_tokenizer(target_dir, trust_remote_code)
+    identity = read_identity(target_dir)["content_hash"]
+    tokenizer = load_tokenizer(target_dir, trust_remote_code)
 
     bound = character_bound(tokenizer, settings.max_context_tokens)
 
@@ -433,14 +433,14 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
         pool_size = settings.concurrency * 4
         log.info("engine: OpenAI-compatible server %s, model %s, concurrency %d", engine.endpoint,
                  settings.model or "default", settings.concurrency)
-    source = conversation_io.read_jsonl(conversation_file)
+    source = conversation_shards.read(conversation_file)
     progress_path = output.with_name(output.name + ".progress.jsonl")
     kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,
                                             fingerprint(conversation_file, settings, identity), log, pool_size)
     warn_if_repetitive(counts, settings, log)
     systemic.check("regenerate", str(conversation_file), len(source), len(kept),
                    {key: counts[key] for key in REGENERATE_FIXES}, REGENERATE_FIXES, "see the warnings above")
-    conversation_io.write_jsonl(kept, output)
+    conversation_shards.write(output, kept)
     progress_path.unlink()
     summary = {"conversations_in": len(source), **{key: int(value) for key, value in sorted(counts.items())}}
     log.info("wrote %s: %s", output, summary)

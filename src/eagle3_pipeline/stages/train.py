@@ -6,7 +6,6 @@ module runs them: set-up, the loop, checkpoints and resume, the held-out selecti
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -19,23 +18,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline import vocab
 from eagle3_pipeline.drafter import offline_acceptance
 from eagle3_pipeline.drafter.attention import TTTKernel, choose_ttt_attention
 from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
-from eagle3_pipeline.formats import hidden_store
+from eagle3_pipeline.formats import draft_vocab, drafter_weights, hidden_store, metrics, train_state
+from eagle3_pipeline.formats.target_dir import content_hash, file_sha256, read_head
 
 log = logging.getLogger(__name__)
-METRICS_FILE = "metrics.csv"
-HELDOUT_FILE = "heldout_estimate.csv"
-BEST_WEIGHTS_FILE = "best.safetensors"
-CHECKPOINT_FILE = "checkpoint.pt"
-FINGERPRINT_FILE = "fingerprint.json"  # what the checkpoint beside it was trained on
 NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
 
 
@@ -66,32 +58,17 @@ class TrainSettings:
 
 # ---------------------------------------------------------------- set-up helpers
 
-def read_target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V,H], lm_head [V,H]) from the target's safetensors, without loading the whole model."""
-    tensors: dict[str, torch.Tensor] = {}
-    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head",
-              "model.language_model.embed_tokens.weight": "embed"}
-    for file in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name in wanted:
-                    tensors[wanted[name]] = handle.get_tensor(name)
-    if "embed" not in tensors:
-        raise ValueError(f"{target_dir}: no embed_tokens weight found in its safetensors")
-    return tensors["embed"], tensors.get("lm_head", tensors["embed"])  # tied embeddings
-
-
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,
                   intermediate_size: int | None = None) -> Drafter:
-    from eagle3_pipeline.target import load_config
+    from eagle3_pipeline.runtime.loading import load_config
 
-    draft = vocab.load(vocab_path)
+    draft = draft_vocab.read(vocab_path)
     config = DrafterConfig.from_target(load_config(target_dir), len(draft.draft_ids), aux_layer_ids)
     if intermediate_size:  # a wider MLP than the target's: the exported config says so, and both engines read it
         config = replace(config, intermediate_size=intermediate_size)
     torch.manual_seed(seed)
     model = Drafter(config)
-    embed, _ = read_target_head(target_dir)
+    embed, _ = read_head(target_dir)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed.float())
         model.d2t.copy_(torch.from_numpy(draft.d2t))
@@ -129,16 +106,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: Path, model: Drafter, optimizer, scheduler, step: int, settings: TrainSettings) -> None:
-    partial = path.with_name(path.name + ".partial")
-    torch.save({"model": model.trainable_state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step,
-                "settings": asdict(settings)}, partial)
-    os.replace(partial, path)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    # weights_only: a checkpoint is data, never code
-    return torch.load(path, map_location="cpu", weights_only=True)
+    train_state.write_checkpoint(path, {"model": model.trainable_state_dict(), "optimizer": optimizer.state_dict(),
+                                        "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step,
+                                        "settings": asdict(settings)})
 
 
 # ---------------------------------------------------------------- what a checkpoint may be resumed for
@@ -147,17 +117,12 @@ def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path,
                     world_size: int) -> dict[str, Any]:
     """Everything that decides the trained weights: the settings that change them, the world size, each
     hidden store's content identity, the draft vocab's and the target's content hashes."""
-    from eagle3_pipeline import target
-
-    identity_file = Path(target_dir) / target.IDENTITY_FILE
-    target_hash = (target.read_identity(target_dir)["content_hash"] if identity_file.is_file()
-                   else target.directory_hash(Path(target_dir)))  # a hand-made target directory
     fingerprint = {
         "settings": {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED},
         "world_size": world_size,
         "stores": [{"name": Path(p).name, "identity": hidden_store.identity(p)} for p in store_paths],
-        "draft_vocab": target.file_sha256(Path(vocab_path)),
-        "target": target_hash,
+        "draft_vocab": file_sha256(Path(vocab_path)),
+        "target": content_hash(target_dir),  # hashed here for a hand-made target directory
     }
     return json.loads(json.dumps(fingerprint))  # as read back from the file (lists, not tuples)
 
@@ -183,17 +148,16 @@ def fingerprint_changes(recorded: dict[str, Any] | None, current: dict[str, Any]
 def resumable_checkpoint(state_dir: Path, fingerprint: dict[str, Any], steps_total: int) -> dict[str, Any] | None:
     """The checkpoint to resume from, or None: none there, one trained on anything else (logged, naming
     what changed), or the last step of a finished run (the job running again means `-R` or new inputs)."""
-    checkpoint_path = state_dir / CHECKPOINT_FILE
+    checkpoint_path = state_dir / train_state.CHECKPOINT_FILE
     if not checkpoint_path.exists():
         return None
-    fingerprint_path = state_dir / FINGERPRINT_FILE
-    recorded = json.loads(fingerprint_path.read_text()) if fingerprint_path.is_file() else None
+    recorded = train_state.read_fingerprint(state_dir)
     changes = fingerprint_changes(recorded, fingerprint)
     if changes:
         log.warning("not resuming %s, changed since it was written: %s; training from step 0", checkpoint_path,
                     "; ".join(changes))
         return None
-    checkpoint = load_checkpoint(checkpoint_path)
+    checkpoint = train_state.read_checkpoint(checkpoint_path)
     if checkpoint["step"] >= steps_total:
         log.warning("not resuming %s: it is the end of a finished run (step %d of %d) and the job runs again "
                     "(forced with -R, or its outputs are gone); training from step 0", checkpoint_path,
@@ -205,11 +169,10 @@ def resumable_checkpoint(state_dir: Path, fingerprint: dict[str, Any], steps_tot
 def start_fresh(state_dir: Path, fingerprint: dict[str, Any]) -> None:
     """Discard an earlier run's checkpoint, metrics and held-out selection, then record what the coming
     checkpoints are of."""
-    for name in (CHECKPOINT_FILE, METRICS_FILE, HELDOUT_FILE, BEST_WEIGHTS_FILE):
+    for name in (train_state.CHECKPOINT_FILE, metrics.METRICS_FILE, metrics.HELDOUT_FILE,
+                 drafter_weights.BEST_WEIGHTS_FILE):
         (state_dir / name).unlink(missing_ok=True)
-    partial = state_dir / (FINGERPRINT_FILE + ".partial")
-    partial.write_text(json.dumps(fingerprint, indent=1))
-    os.replace(partial, state_dir / FINGERPRINT_FILE)
+    train_state.write_fingerprint(state_dir, fingerprint)
 
 
 # ---------------------------------------------------------------- the loop
@@ -235,7 +198,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
                           settings.drafter_intermediate_size).to(device)
     attention = choose_ttt_attention(settings.attention, device, log)
-    _, lm_head = read_target_head(target_dir)
+    _, lm_head = read_head(target_dir)
     teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = Teacher(lm_head.to(device, teacher_dtype), model.draft_to_target(
         torch.arange(model.config.draft_vocab_size, device=device)))
@@ -249,7 +212,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, settings.warmup_steps, steps_total))
     state_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path, metrics_path = state_dir / CHECKPOINT_FILE, state_dir / METRICS_FILE
+    checkpoint_path, metrics_path = state_dir / train_state.CHECKPOINT_FILE, state_dir / metrics.METRICS_FILE
     start = 0
     # the held-out stores choose which epoch's weights are returned, so they are part of what decides them
     fingerprint = run_fingerprint([*store_paths, *(heldout_paths or [])], target_dir, vocab_path, settings, world)
@@ -266,7 +229,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
         start = checkpoint["step"]
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
-        truncate_metrics(metrics_path, start)
+        metrics.truncate(metrics_path, start)
     selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device, attention) \
         if heldout_paths and is_main_process() else None
     # step s consumes batches (s-1)*world .. s*world-1: an epoch's last batch is in step ceil(end / world)
@@ -309,7 +272,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
             row = window.flush(step, scheduler.get_last_lr()[0], float(grad_norm), elapsed, steps_total - step,
                                flops_per_token, world)
             if is_main_process():
-                append_metrics(metrics_path, row)
+                metrics.append_row(metrics_path, row)
                 log.info(format_row(row, steps_total))
             tick = time.perf_counter()
         if selection and step in epoch_end_steps:
@@ -336,15 +299,6 @@ def with_feature_noise(aux: torch.Tensor, relative_std: float) -> torch.Tensor:
     return (aux.float() + torch.randn_like(aux, dtype=torch.float32) * rms * relative_std).to(aux.dtype)
 
 
-def read_best(path: Path) -> tuple[int, float] | None:
-    """(step, estimated tau) recorded in the kept weights' metadata, or None when there are none."""
-    if not path.exists():
-        return None
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata()
-    return int(meta["step"]), float(meta["tau"])
-
-
 class HeldoutSelection:
     """The offline acceptance estimate after every epoch (train_state/heldout_estimate.csv) and the weights with
     the best tau at `heldout_select_k` (train_state/best.safetensors), which training returns at the end.
@@ -355,12 +309,12 @@ class HeldoutSelection:
         self.schedule = BatchSchedule(paths, TrainSettings(**(asdict(settings) | {"epochs": 1})))
         self.settings, self.lm_head, self.device = settings, lm_head, device
         self.attention = attention  # the training's TTT kernel: the estimate unrolls the drafter the same way
-        self.csv, self.best_path = state_dir / HELDOUT_FILE, state_dir / BEST_WEIGHTS_FILE
-        truncate_metrics(self.csv, start)
+        self.csv, self.best_path = state_dir / metrics.HELDOUT_FILE, state_dir / drafter_weights.BEST_WEIGHTS_FILE
+        metrics.truncate(self.csv, start)
         self.best_step, self.best_tau = self._read_best(start)
 
     def _read_best(self, start: int) -> tuple[int, float]:
-        best = read_best(self.best_path)
+        best = drafter_weights.read_best(self.best_path)
         if best is None:
             return 0, float("-inf")
         if best[0] > start:  # written after the checkpoint being resumed: it will be recomputed
@@ -375,7 +329,7 @@ class HeldoutSelection:
                                              self.attention)
         k = min(self.settings.heldout_select_k, len(result.tau))
         tau = result.tau[k - 1]
-        append_metrics(self.csv, {"step": step, "epoch": epoch} | result.row())
+        metrics.append_row(self.csv, {"step": step, "epoch": epoch} | result.row())
         log.info("held-out estimate after epoch %d (step %d, %d draft positions, %.1f s): tau %s; "
                  "top-1 per chain step %s", epoch, step, result.positions, time.perf_counter() - tick,
                  " ".join(f"k={i + 1}:{t:.3f}" for i, t in enumerate(result.tau)),
@@ -386,16 +340,14 @@ class HeldoutSelection:
         if tau > self.best_tau:
             self.best_step, self.best_tau = step, tau
             weights = {name: t.detach().contiguous().cpu() for name, t in model.trainable_state_dict().items()}
-            partial = self.best_path.with_name(self.best_path.name + ".partial")
-            save_file(weights, str(partial), metadata={"step": str(step), "tau": repr(tau)})
-            os.replace(partial, self.best_path)
+            drafter_weights.write_best(self.best_path, weights, step, tau)
 
     def restore_best(self, model: Drafter) -> None:
         if not self.best_path.exists():
             return
         log.info("keeping the weights of step %d: best held-out tau at k=%d, %.3f", self.best_step,
                  self.settings.heldout_select_k, self.best_tau)
-        model.load_state_dict(load_file(str(self.best_path), device=str(next(model.parameters()).device)),
+        model.load_state_dict(drafter_weights.read_weights(self.best_path, str(next(model.parameters()).device)),
                               strict=False)
 
 
@@ -437,41 +389,17 @@ def format_row(row: dict[str, float], total: int) -> str:
             f"{row['tokens_per_s']:,.0f} tokens/s, ETA {row['eta_s'] / 60:.1f} min")
 
 
-def append_metrics(path: Path, row: dict[str, float]) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric rows logged after the checkpoint being resumed (they will be logged again)."""
-    if not path.exists():
-        return
-    with open(path, newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if float(r["step"]) <= step]
-    path.unlink()
-    for row in rows:
-        append_metrics(path, row)
-
-
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    with open(path, newline="") as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
-
-
 def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:
-    rows = read_metrics(state_dir / METRICS_FILE)
+    rows = metrics.read(state_dir / metrics.METRICS_FILE)
     last = rows[-1]
     result = {"steps": int(last["step"]), "final_loss": last["loss"],
               "acc_per_step": [last[f"acc_{k}"] for k in range(settings.ttt_steps)],
               "expected_acceptance_per_step": [last[f"accept_{k}"] for k in range(settings.ttt_steps)]}
-    if (state_dir / HELDOUT_FILE).exists():
-        estimates = read_metrics(state_dir / HELDOUT_FILE)
+    if (state_dir / metrics.HELDOUT_FILE).exists():
+        estimates = metrics.read(state_dir / metrics.HELDOUT_FILE)
         key = f"tau_k{min(settings.heldout_select_k, settings.ttt_steps)}"
-        best = read_best(state_dir / BEST_WEIGHTS_FILE)  # the weights training returned, not a re-derived maximum
+        # the weights training returned, not a re-derived maximum
+        best = drafter_weights.read_best(state_dir / drafter_weights.BEST_WEIGHTS_FILE)
         kept = next((row for row in estimates if int(row["step"]) == best[0]), None) if best else None
         result["heldout_estimate"] = {"by_epoch": estimates, "kept": kept, "selected_by": key}
     return result

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from eagle3_pipeline import logs
-from eagle3_pipeline.formats import hidden_store, zarr_io
+from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, zarr_io
 from eagle3_pipeline.stages.train import settings_from_config, summary, train
 
 # Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
@@ -48,11 +47,9 @@ def run(args: dict) -> None:
             raise SystemExit(1) from None
         if rank == 0:
             weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
-            partial = Path(args["weights"] + ".partial")
-            save_file(weights, str(partial), metadata={"drafter_config": json.dumps(model.config.as_dict())})
-            os.replace(partial, args["weights"])
+            drafter_weights.write_trained(Path(args["weights"]), weights, model.config.as_dict())
             result = summary(Path(args["state_dir"]), settings)
-            Path(args["summary"]).write_text(json.dumps(result, indent=2))
+            metrics.write_summary(Path(args["summary"]), result)
             log.info("done: %s", result)
     finally:
         if dist.is_initialized():

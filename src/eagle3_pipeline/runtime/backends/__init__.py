@@ -74,7 +74,7 @@ def from_config(settings: dict, target_dir, trust_remote_code: bool = False) -> 
                                         trust_remote_code=trust_remote_code)
     if settings["backend"] == "sglang":
         from eagle3_pipeline.runtime.backends.sglang import SGLangBackend
-        from eagle3_pipeline.target import load_config
+        from eagle3_pipeline.runtime.loading import load_config
 
         config = load_config(target_dir, trust_remote_code)
         server = settings.get("sglang") or {}

@@ -53,7 +53,7 @@ class HFBackend:
     @classmethod
     def from_directory(cls, target_dir: Path, device: str = "auto", dtype: str = "auto",
                        aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False) -> HFBackend:
-        from eagle3_pipeline.target import load_model
+        from eagle3_pipeline.runtime.loading import load_model
 
         device = pick_device(device)
         model = load_model(target_dir, device=device, dtype=pick_dtype(dtype, device),

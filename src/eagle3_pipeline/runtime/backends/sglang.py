@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     num_layers = args.num_layers
     if num_layers is None:
-        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        from eagle3_pipeline.formats.target_dir import read_config
+
+        config = read_config(Path(args.model_path))
+        if config is None:
+            raise SystemExit(f"{args.model_path}: no config.json; pass --num-layers")
         num_layers = config.get("text_config", config)["num_hidden_layers"]
     ids = check_aux_layer_ids(args.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers)
     print("\n".join(launch_commands(args.model_path, ids, args.tp)))

