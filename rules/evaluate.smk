@@ -22,7 +22,7 @@ rule evaluate:
     params:
         settings=config["evaluate"],
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
     conda:
@@ -50,7 +50,7 @@ rule evaluate_timing:
         settings=config["evaluate"],
         prompt_sets=PROMPT_SETS,
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
     conda:

@@ -11,7 +11,7 @@ rule parity:
         extract=config["extract"],
         parity=config["parity"],
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["parity"]["threads"]
     resources:
         gpu=0 if config["parity"]["device"] == "cpu" else max(1, config["extract"]["gpus"]),  # the fp32 reference
         mem_mb=8000,
