@@ -31,6 +31,7 @@ import torch
 
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
 from eagle3_pipeline.stages import train as current
+from eagle3_pipeline.workflow_config import schema_defaults
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 
@@ -166,7 +167,9 @@ def main() -> None:
             TrainingPath("baseline", baseline.train, baseline.model, config,
                   baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
             TrainingPath("ours", current, sys.modules["eagle3_pipeline.drafter.model"], config,
-                  current.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
+                  current.TrainSettings.from_config(
+                      schema_defaults("train") | {"ttt_steps": args.ttt_steps, "batch_tokens": batch_tokens,
+                                                  "max_seq_len": 2048}), device),
         ]
         full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)
         step0 = [float(p.step(full)) for p in paths]

@@ -17,6 +17,7 @@ from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import (
     Teacher,
     TrainSettings,
+    data_error_line,
     fingerprint_changes,
     read_metrics,
     run_fingerprint,
@@ -26,7 +27,7 @@ from eagle3_pipeline.stages.train import (
     train,
     ttt_forward,
 )
-from eagle3_pipeline.stages.train_main import data_error_line
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
 
@@ -144,9 +145,9 @@ def tiny_run(tmp_path_factory):
 
 
 def settings(**overrides) -> TrainSettings:
-    return TrainSettings(**({"ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256,
-                             "max_seq_len": 64, "checkpoint_every": 3, "log_every": 1, "num_workers": 0,
-                             "device": "cpu"} | overrides))
+    return TrainSettings.from_config(schema_defaults("train") | {
+        "ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256, "max_seq_len": 64,
+        "checkpoint_every": 3, "log_every": 1, "num_workers": 0, "device": "cpu"} | overrides)
 
 
 def test_loss_decreases_and_metrics_are_logged(tiny_run, tmp_path):

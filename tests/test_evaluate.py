@@ -12,6 +12,7 @@ from eagle3_pipeline.stages import evaluate, export
 from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.stages.train import TrainSettings, read_target_head, train
 from eagle3_pipeline.target import load_model
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
 
@@ -42,8 +43,9 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     target_dir, store, vocab_path = tiny_target_with_store(tmp)
     model = train([store], target_dir, vocab_path, tmp / "state",
-                  TrainSettings(ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256,
-                                max_seq_len=64, checkpoint_every=100, log_every=5, num_workers=0, device="cpu"))
+                  TrainSettings.from_config(schema_defaults("train") | dict(
+                      ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
+                      checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
     export.export(model, tmp / "serving", dtype="float32")
     embedding, _ = read_target_head(target_dir)
     drafter = export.load(tmp / "serving", embedding=embedding.float())
