@@ -3,6 +3,7 @@ retries/timeouts/rejections against a real local HTTP server. The llama.cpp serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import pytest
 from eagle3_pipeline import assets, conversations, target
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .conftest import send_json
 
@@ -38,8 +40,9 @@ CHATS = [
 
 
 def settings(**overrides) -> regenerate.Settings:
-    return regenerate.Settings(**{"max_new_tokens": 10, "batch_size": 2, "max_context_tokens": 512,
-                                  "device": "cpu", "dtype": "float32", **overrides})
+    defaults = regenerate.Settings.from_config(schema_defaults("regenerate"), max_seq_len=512)
+    return dataclasses.replace(defaults, **{"max_new_tokens": 10, "batch_size": 2, "device": "cpu",
+                                            "dtype": "float32", **overrides})
 
 
 def word_count(history):
