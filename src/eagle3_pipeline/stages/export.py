@@ -11,12 +11,15 @@ vLLM:    --speculative-config '{"method": "eagle3", "model": "DIR", "num_specula
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import zarr_io
 from eagle3_pipeline.runtime.backends import sglang_layer_ids
@@ -29,6 +32,15 @@ EXPORTED_NAMES = (
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
 DRAFTER_CONFIG_KEY = "eagle3_pipeline_drafter_config"
+
+
+@dataclass(frozen=True)
+class Settings:
+    dtype: str  # of the served weights: bfloat16, float16 or float32
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> Settings:
+        return cls(dtype=section["dtype"])
 
 
 def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
@@ -99,3 +111,14 @@ def load_trained(weights_path: Path) -> Drafter:
     model = Drafter(config)
     model.load_state_dict(load_file(str(weights_path)), strict=False)
     return model
+
+
+def run(weights: Path, output: Path, settings: Settings, log: logging.Logger) -> None:
+    export(load_trained(weights), output, dtype=settings.dtype)
+    log.info("exported %s (%s): SGLang --speculative-algorithm EAGLE3 --speculative-draft-model-path %s",
+             output, settings.dtype, output)
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    run(Path(snakemake.input.weights), Path(snakemake.output[0]), Settings(dtype=snakemake.params.dtype), log)

@@ -8,6 +8,7 @@ import argparse
 import csv
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,33 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from eagle3_pipeline import logs  # noqa: E402
 from eagle3_pipeline.stages.train import read_metrics  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: dict[str, Any]  # the whole run config, recorded in the provenance
+
+
+@dataclass(frozen=True)
+class Inputs:
+    evaluations: list[Path]
+    timing: Path
+    metrics: Path
+    summary: Path
+    disk: Path
+    config_snapshot: Path
+    target: Path
+
+
+@dataclass(frozen=True)
+class Outputs:
+    acceptance: Path
+    tau: Path
+    training: Path
+    disk: Path
+    provenance: Path
 
 
 def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
@@ -147,6 +174,28 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
     identity = json.loads((Path(target_dir) / "identity.json").read_text())
     return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
             "target": identity, "packages": packages}
+
+
+def run(inputs: Inputs, outputs: Outputs, settings: Settings) -> None:
+    evaluations = read_evaluations(inputs.evaluations)
+    acceptance_figure(evaluations, outputs.acceptance)
+    tau_table(evaluations, json.loads(inputs.timing.read_text()), outputs.tau)
+    training_figure(inputs.metrics, outputs.training, json.loads(inputs.summary.read_text()))
+    disk_figure(json.loads(inputs.disk.read_text()), outputs.disk)
+    outputs.provenance.write_text(
+        json.dumps(provenance(settings.config, inputs.config_snapshot, inputs.target), indent=2))
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    given = snakemake.input
+    inputs = Inputs([Path(p) for p in given.evaluations], Path(given.timing), Path(given.metrics),
+                    Path(given.summary), Path(given.disk), Path(given.config), Path(given.target))
+    made = snakemake.output
+    outputs = Outputs(Path(made.acceptance), Path(made.tau), Path(made.training), Path(made.disk),
+                      Path(made.provenance))
+    run(inputs, outputs, Settings(config=dict(snakemake.params.full_config)))
+    log.info("wrote %s", ", ".join(snakemake.output))
 
 
 def run_directory(configs: list[Path]) -> Path:
