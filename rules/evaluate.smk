@@ -20,7 +20,7 @@ rule evaluate:
             labels={"prompt set": "{prompt_set}", "kind": "results (JSON)"},
         ),
     params:
-        settings=config["evaluate"],
+        settings=job_settings("evaluate"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: config["evaluate"]["threads"]
     resources:
@@ -47,7 +47,7 @@ rule evaluate_timing:
             labels={"prompt set": "all", "kind": "timing pass (JSON)"},
         ),
     params:
-        settings=config["evaluate"],
+        settings=job_settings("evaluate"),
         prompt_sets=PROMPT_SETS,
         trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: config["evaluate"]["threads"]

@@ -9,7 +9,7 @@ rule parity:
         PARITY_REPORT,
     params:
         extract=config["extract"],
-        parity=config["parity"],
+        parity=job_settings("parity"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: config["parity"]["threads"]
     resources:

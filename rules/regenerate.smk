@@ -8,7 +8,7 @@ rule regenerate:
     output:
         REGENERATED_SHARD,
     params:
-        regenerate=config["regenerate"],
+        regenerate=job_settings("regenerate"),
         max_seq_len=config["data"]["max_seq_len"],
         trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: config["regenerate"]["threads"]
