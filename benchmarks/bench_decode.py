@@ -21,9 +21,10 @@ import torch
 from eagle3_pipeline import assets
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats.target_dir import read_head
+from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
-from eagle3_pipeline.stages import evaluate, target
+from eagle3_pipeline.stages import evaluate_timing, target
 
 
 def target_directory(source: str, scratch: Path) -> Path:
@@ -57,7 +58,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("bench_decode")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    prompts = evaluate.load_prompts(assets.resolve("mtbench-package"), args.prompts)
+    prompts = load_prompts(assets.resolve("mtbench-package"), args.prompts)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as scratch:
         target_dir = target_directory(args.target, Path(scratch))
         tokenizer = loading.load_tokenizer(target_dir)
@@ -68,8 +69,8 @@ def main() -> None:
                 model = loading.load_model(target_dir, device=device, dtype=dtype)
                 drafter = untrained_drafter(target_dir, 16384, device, dtype)
                 decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=compiled, log=log)
-                result = evaluate.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
-                                              args.max_new, False, log)["mtbench"]
+                result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
+                                                     args.max_new, False, log)["mtbench"]
                 mode = "compiled, static cache" if decoder.compiled else "eager"
                 only, chain = result["target"], result[f"eagle3@k={args.k}"]
                 rates[compiled] = only["tokens_per_s"]

@@ -13,6 +13,7 @@ the same for 1 or `batch` histories, so calls (not rounds) are what the schedule
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import tempfile
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.workflow_config import schema_defaults
 
 
 class CountingEngine:
@@ -49,8 +51,8 @@ def main() -> None:
     log = logging.getLogger("bench")
     chats = conversation_shards.read(args.conversations)[: args.count]
     turns = sum(m["role"] == "assistant" for c in chats for m in c["messages"])
-    settings = regenerate.Settings(max_new_tokens=args.max_new, batch_size=args.batch, max_context_tokens=2048,
-                                   device=args.device)
+    settings = dataclasses.replace(regenerate.Settings.from_config(schema_defaults("regenerate"), max_seq_len=2048),
+                                   max_new_tokens=args.max_new, batch_size=args.batch, device=args.device)
     engine = regenerate.HFEngine(args.target, settings)
     tokenizer = engine.tokenizer
 

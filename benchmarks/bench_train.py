@@ -35,6 +35,7 @@ from eagle3_pipeline.drafter.attention import flex_ttt_attention
 from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
 from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.workflow_config import schema_defaults
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 
@@ -175,8 +176,9 @@ def main() -> None:
         paths = [
             TrainingPath("baseline", baseline, config,
                          baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
-            TrainingPath("ours", None, config, TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens),
-                         device),
+            TrainingPath("ours", None, config, TrainSettings.from_config(
+                schema_defaults("train") | {"ttt_steps": args.ttt_steps, "batch_tokens": batch_tokens,
+                                            "max_seq_len": 2048}), device),
         ]
         full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)
         step0 = [float(p.step(full)) for p in paths]

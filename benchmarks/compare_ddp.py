@@ -21,7 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from eagle3_pipeline import workflow_config
 from eagle3_pipeline.formats.metrics import read as read_metrics
+from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -> list[dict[str, float]]:
@@ -32,7 +34,7 @@ def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -
             "state_dir": str(state), "settings": settings, "weights": str(state / "drafter.safetensors"),
             "summary": str(state / "summary.json"), "log": str(state / "train.log")}
     (state / "args.json").write_text(json.dumps(args))
-    command = [sys.executable, "-m", "eagle3_pipeline.stages.train_main", str(state / "args.json")]
+    command = [sys.executable, "-m", "eagle3_pipeline.stages.train", str(state / "args.json")]
     if gpus > 1:
         command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m"]
     subprocess.run(command, check=True)
@@ -47,8 +49,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    base = yaml.safe_load(Path("config/config.yaml").read_text())["train"]
-    base |= yaml.safe_load(args.config.read_text()).get("train", {})
+    config = yaml.safe_load(Path("config/config.yaml").read_text())
+    for section, values in yaml.safe_load(args.config.read_text()).items():
+        config[section] = config.get(section, {}) | values if isinstance(values, dict) else values
+    workflow_config.link_max_seq_len(config)  # train.max_seq_len: null follows data.max_seq_len
+    base = schema_defaults("train") | config["train"]
     base |= {"max_steps": args.steps, "log_every": 10, "checkpoint_every": 10 ** 9, "epochs": 50}
     batch = base["batch_tokens"]
     curves = {

@@ -50,6 +50,12 @@ for warning in SETTINGS.warnings:
     print(f"WARNING: {warning}", file=sys.stderr)
 
 
+def job_settings(section):
+    """A config section as a rule's params, less its `threads` (a job's size, not its output: changing it must
+    not rerun the job, which Snakemake's params trigger would)."""
+    return {key: value for key, value in config[section].items() if key != "threads"}
+
+
 def tokenize_input(wildcards):
     if wildcards.shard == HELDOUT:
         return EVAL_CONVERSATIONS

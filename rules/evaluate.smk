@@ -20,9 +20,9 @@ rule evaluate:
             labels={"prompt set": "{prompt_set}", "kind": "results (JSON)"},
         ),
     params:
-        settings=config["evaluate"],
+        settings=job_settings("evaluate"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
     conda:
@@ -47,10 +47,10 @@ rule evaluate_timing:
             labels={"prompt set": "all", "kind": "timing pass (JSON)"},
         ),
     params:
-        settings=config["evaluate"],
+        settings=job_settings("evaluate"),
         prompt_sets=PROMPT_SETS,
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
     conda:

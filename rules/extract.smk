@@ -9,9 +9,9 @@ rule parity:
         PARITY_REPORT,
     params:
         extract=config["extract"],
-        parity=config["parity"],
+        parity=job_settings("parity"),
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["parity"]["threads"]
     resources:
         gpu=0 if config["parity"]["device"] == "cpu" else max(1, config["extract"]["gpus"]),  # the fp32 reference
         mem_mb=8000,

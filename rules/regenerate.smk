@@ -8,10 +8,10 @@ rule regenerate:
     output:
         REGENERATED_SHARD,
     params:
-        regenerate=config["regenerate"],
+        regenerate=job_settings("regenerate"),
         max_seq_len=config["data"]["max_seq_len"],
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: config["extract"]["threads"]
+    threads: config["regenerate"]["threads"]
     resources:
         gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] == "hf" else 0,
         mem_mb=8000,

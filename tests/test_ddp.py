@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from eagle3_pipeline.formats.metrics import read as read_metrics
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
 
@@ -16,15 +17,16 @@ from .tiny_models import tiny_target_with_store
 @pytest.mark.slow
 def test_torchrun_two_processes_trains_and_writes_one_result(tmp_path):
     target_dir, store, vocab_path = tiny_target_with_store(tmp_path, sequences=32)
-    settings = {"ttt_steps": 2, "learning_rate": 3e-3, "warmup_steps": 1, "epochs": 4, "batch_tokens": 256,
-                "max_seq_len": 64, "checkpoint_every": 4, "log_every": 1, "num_workers": 0, "device": "cpu"}
+    settings = schema_defaults("train") | {
+        "ttt_steps": 2, "learning_rate": 3e-3, "warmup_steps": 1, "epochs": 4, "batch_tokens": 256, "max_seq_len": 64,
+        "checkpoint_every": 4, "log_every": 1, "num_workers": 0, "device": "cpu"}
     args = {"stores": [str(store)], "target": str(target_dir), "vocab": str(vocab_path),
             "state_dir": str(tmp_path / "state"), "settings": settings,
             "weights": str(tmp_path / "drafter.safetensors"),
             "summary": str(tmp_path / "summary.json"), "log": str(tmp_path / "train.log")}
     (tmp_path / "args.json").write_text(json.dumps(args))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "eagle3_pipeline.stages.train_main", str(tmp_path / "args.json")], check=True, timeout=600)
+                    "-m", "eagle3_pipeline.stages.train", str(tmp_path / "args.json")], check=True, timeout=600)
     rows = read_metrics(tmp_path / "state" / "metrics.csv")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "over 2 GPUs/processes" in (tmp_path / "train.log").read_text()

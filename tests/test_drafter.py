@@ -18,16 +18,18 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics, ttt_forward
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.formats.metrics import read as read_metrics
+from eagle3_pipeline.runtime import drafting
 from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import (
     TrainSettings,
+    data_error_line,
     fingerprint_changes,
     run_fingerprint,
     summary,
     train,
 )
-from eagle3_pipeline.stages.train_main import data_error_line
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
 
@@ -145,9 +147,9 @@ def tiny_run(tmp_path_factory):
 
 
 def settings(**overrides) -> TrainSettings:
-    return TrainSettings(**({"ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256,
-                             "max_seq_len": 64, "checkpoint_every": 3, "log_every": 1, "num_workers": 0,
-                             "device": "cpu"} | overrides))
+    return TrainSettings.from_config(schema_defaults("train") | {
+        "ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256, "max_seq_len": 64,
+        "checkpoint_every": 3, "log_every": 1, "num_workers": 0, "device": "cpu"} | overrides)
 
 
 def test_loss_decreases_and_metrics_are_logged(tiny_run, tmp_path):
@@ -276,7 +278,7 @@ def test_export_has_exact_names_shapes_dtypes_and_same_logits(tiny_run, tmp_path
         assert served["eagle_aux_hidden_state_layer_ids"] == config.aux_layer_ids
         assert served["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in config.aux_layer_ids]
         assert served["torch_dtype"] == dtype
-        loaded = export.load(out, embedding=model.embed_tokens.weight.detach())
+        loaded = drafting.load_served(out, embedding=model.embed_tokens.weight.detach())
         sequence = hidden_store.HiddenStore(store).sequence(0)
         ids = sequence["input_ids"][None]
         aux = sequence["aux_hidden_states"].reshape(1, len(ids[0]), -1).float()
@@ -300,7 +302,7 @@ def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp
     assert model.midlayer.mlp.up_proj.weight.shape[0] == 3 * target_width
     export.export(model, tmp_path / "serving", dtype="float32")
     assert json.loads((tmp_path / "serving" / "config.json").read_text())["intermediate_size"] == 3 * target_width
-    reloaded = export.load(tmp_path / "serving", embedding=model.embed_tokens.weight.detach())
+    reloaded = drafting.load_served(tmp_path / "serving", embedding=model.embed_tokens.weight.detach())
     assert torch.equal(reloaded.midlayer.mlp.down_proj.weight, model.midlayer.mlp.down_proj.weight)
     fingerprint = json.loads((tmp_path / "state" / "fingerprint.json").read_text())
     assert fingerprint["settings"]["drafter_intermediate_size"] == 3 * target_width

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from eagle3_pipeline.formats.target_dir import read_head
+from eagle3_pipeline.prompts import Prompt, load_prompts
+from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model
-from eagle3_pipeline.stages import evaluate, export
-from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.stages import evaluate, evaluate_timing, export
 from eagle3_pipeline.stages.train import TrainSettings, train
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
 
@@ -43,11 +46,12 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     target_dir, store, vocab_path = tiny_target_with_store(tmp)
     model = train([store], target_dir, vocab_path, tmp / "state",
-                  TrainSettings(ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256,
-                                max_seq_len=64, checkpoint_every=100, log_every=5, num_workers=0, device="cpu"))
+                  TrainSettings.from_config(schema_defaults("train") | dict(
+                      ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
+                      checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
     export.export(model, tmp / "serving", dtype="float32")
     embedding, _ = read_head(target_dir)
-    drafter = export.load(tmp / "serving", embedding=embedding.float())
+    drafter = drafting.load_served(tmp / "serving", embedding=embedding.float())
     target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store
 
@@ -58,18 +62,18 @@ def test_every_method_is_lossless(trained, k):
     from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
-    untrained = evaluate.untrained_like(drafter)
-    proposers = {"eagle3": evaluate.DrafterProposer(drafter), "untrained": evaluate.DrafterProposer(untrained),
+    untrained = drafting.untrained_like(drafter)
+    proposers = {"eagle3": drafting.DrafterProposer(drafter), "untrained": drafting.DrafterProposer(untrained),
                  "prompt-lookup": prompt_lookup()}
     taus = {}
     for name, propose in proposers.items():
         traces = []
         for i, ids in enumerate(prompts):
-            reference = evaluate.greedy(target, ids, 40, set(), str(i))
-            if isinstance(propose, evaluate.DrafterProposer):
+            reference = speculative.greedy(target, ids, 40, set(), str(i))
+            if isinstance(propose, drafting.DrafterProposer):
                 propose.reset()
-            trace = evaluate.speculative(target, propose, ids, k, 40, set(), str(i), name)
-            evaluate.check_lossless(trace, reference)
+            trace = speculative.speculative(target, propose, ids, k, 40, set(), str(i), name)
+            speculative.check_lossless(trace, reference)
             assert len(trace.tokens) == 40
             traces.append(trace)
         taus[name] = sum(len(t.tokens) for t in traces) / sum(t.target_forwards for t in traces)
@@ -79,20 +83,20 @@ def test_every_method_is_lossless(trained, k):
 
 
 def test_a_mismatch_names_the_prompt():
-    with pytest.raises(evaluate.LosslessViolation, match="prompt q7"):
-        evaluate.check_lossless(Trace("q7", "eagle3@k=4", [1, 2, 3]), Trace("q7", "target", [1, 2, 4]))
+    with pytest.raises(speculative.LosslessViolation, match="prompt q7"):
+        speculative.check_lossless(Trace("q7", "eagle3@k=4", [1, 2, 3]), Trace("q7", "target", [1, 2, 4]))
 
 
 def test_prompt_files(tmp_path):
     mt = tmp_path / "q.jsonl"
     mt.write_text('{"question_id": 81, "turns": ["a", "b"]}\n{"question_id": 82, "turns": ["c", "d"]}\n')
-    assert [p.messages for p in evaluate.load_prompts(mt, None)] == [[{"role": "user", "content": "a"}],
+    assert [p.messages for p in load_prompts(mt, None)] == [[{"role": "user", "content": "a"}],
                                                                      [{"role": "user", "content": "c"}]]
-    assert len(evaluate.load_prompts(mt, 1, multi_turn=True)[0].messages) == 2
+    assert len(load_prompts(mt, 1, multi_turn=True)[0].messages) == 2
     held = tmp_path / "eval.jsonl"
     held.write_text('{"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},'
                     ' {"role": "assistant", "content": "r"}]}\n')
-    assert [m["role"] for m in evaluate.load_prompts(held, None)[0].messages] == ["system", "user"]
+    assert [m["role"] for m in load_prompts(held, None)[0].messages] == ["system", "user"]
 
 
 def vllm_style_chain(drafter, context: list[int], features: torch.Tensor, k: int, advance: int = 1):
@@ -120,8 +124,8 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
 
     ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
     _, features = target.forward(ids, target.new_cache(len(ids)))
-    proposer = evaluate.DrafterProposer(drafter)
-    static = evaluate.DrafterProposer(drafter, static=True)  # the compiled path's cache and padding, uncompiled
+    proposer = drafting.DrafterProposer(drafter)
+    static = drafting.DrafterProposer(drafter, static=True)  # the compiled path's cache and padding, uncompiled
     k = 5
     for n in (10, 11, 14, 15, 19):  # the real rows grow by 1..4 between calls, as after verify steps
         expected_drafts, expected_logits = vllm_style_chain(drafter, ids[:n + 1], features[:n], k)
@@ -140,9 +144,9 @@ def test_low_precision_counts_divergence_where_fp32_raises():
     drafted = [Trace("b", "eagle3@k=2", [5, 6], accepted=[1], drafted=[2], target_forwards=1, total_seconds=1.0),
                Trace("a", "eagle3@k=2", [1, 2, 9, 9], accepted=[1, 1], drafted=[2, 2], target_forwards=2,
                      total_seconds=1.0)]
-    with pytest.raises(evaluate.LosslessViolation, match="prompt a: eagle3@k=2 .* at token 2"):
-        evaluate.check_lossless(drafted[1], reference[0])
-    summary = evaluate.summarise_methods({"target": reference, "eagle3@k=2": drafted}, logging.getLogger("test"))
+    with pytest.raises(speculative.LosslessViolation, match="prompt a: eagle3@k=2 .* at token 2"):
+        speculative.check_lossless(drafted[1], reference[0])
+    summary = speculative.summarise_methods({"target": reference, "eagle3@k=2": drafted}, logging.getLogger("test"))
     assert summary["eagle3@k=2"]["diverged_share"] == 0.5
     assert summary["eagle3@k=2"]["first_divergence"] == {"a": 2}
     assert summary["eagle3@k=2"]["tau"] == 6 / 3  # from the method's own run
@@ -163,12 +167,13 @@ def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int
 
 def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
-    prompts = [evaluate.Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
-               evaluate.Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
-    settings = {"device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
-                "untrained_baseline": False, "workers": 1}
+    prompts = [Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
+               Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
+    settings = evaluate.Settings.from_config(schema_defaults("evaluate") | {
+        "device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
+        "untrained_baseline": False, "workers": 1}, trust_remote_code=False)
     log = logging.getLogger("test")
-    result = evaluate.run_job(target_dir, serving, prompts, settings, False, str(tmp_path / "log"), log,
+    result = evaluate.run_job(target_dir, serving, prompts, settings, str(tmp_path / "log"), log,
                               tmp_path / "progress")
     tokens = {(t["prompt_id"], t["method"]): t["tokens"] for t in result["traces"]}
     for method in ("eagle3@k=3", "prompt-lookup@k=3"):
@@ -179,11 +184,12 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
 
 def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
-    prompt_sets = {"a": [evaluate.Prompt("a1", [{"role": "user", "content": "Say hello."}])],
-                   "b": [evaluate.Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
-    settings = {"device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1,
-                                                                                        "max_new_tokens": 8}}
-    result = evaluate.run_timing(target_dir, serving, prompt_sets, settings, False, logging.getLogger("test"))
+    prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])],
+                   "b": [Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
+    settings = evaluate_timing.Settings.from_config(schema_defaults("evaluate") | {
+        "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1, "max_new_tokens": 8}},
+        trust_remote_code=False)
+    result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
     for speeds in result["sets"].values():
         assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3"}
@@ -207,17 +213,17 @@ def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_pa
     eager = TargetRuntime(model, [2, 15, 27])
     static = TargetRuntime(model, [2, 15, 27], static=True)  # what the compiled step runs, uncompiled
     static.prepare([3])
-    drafter = export.load(smollm2_serving_dir(target_dir, tmp_path / "serving"),
+    drafter = drafting.load_served(smollm2_serving_dir(target_dir, tmp_path / "serving"),
                           embedding=model.get_input_embeddings().weight.detach())
-    prompts = [evaluate.Prompt("long", [{"role": "user", "content": "Write a long story about a red fox."}]),
-               evaluate.Prompt("short", [{"role": "user", "content": "Hi"}])]  # the reused cache is reset
-    for pid, ids in evaluate.encode_prompts(tokenizer, prompts):
-        reference = evaluate.greedy(eager, ids, 16, set(), pid)
-        assert evaluate.greedy(static, ids, 16, set(), pid).tokens == reference.tokens
+    prompts = [Prompt("long", [{"role": "user", "content": "Write a long story about a red fox."}]),
+               Prompt("short", [{"role": "user", "content": "Hi"}])]  # the reused cache is reset
+    for pid, ids in speculative.encode_prompts(tokenizer, prompts):
+        reference = speculative.greedy(eager, ids, 16, set(), pid)
+        assert speculative.greedy(static, ids, 16, set(), pid).tokens == reference.tokens
         # speculative steps: 1..k+1 tokens padded to k+1, rejected rows cropped
-        for name, propose in (("prompt-lookup", prompt_lookup()), ("eagle3", evaluate.DrafterProposer(drafter))):
-            trace = evaluate.speculative(static, propose, ids, 3, 16, set(), pid, name)
-            evaluate.check_lossless(trace, reference)
+        for name, propose in (("prompt-lookup", prompt_lookup()), ("eagle3", drafting.DrafterProposer(drafter))):
+            trace = speculative.speculative(static, propose, ids, 3, 16, set(), pid, name)
+            speculative.check_lossless(trace, reference)
         _, eager_aux = eager.forward(ids, eager.new_cache(len(ids)))
         _, static_aux = static.forward(ids, static.new_cache(len(ids)))
         torch.testing.assert_close(static_aux, eager_aux)

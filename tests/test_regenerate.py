@@ -3,6 +3,7 @@ retries/timeouts/rejections against a real local HTTP server. The llama.cpp serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.workflow_config import schema_defaults
 
 from .conftest import send_json
 
@@ -40,8 +42,9 @@ CHATS = [
 
 
 def settings(**overrides) -> regenerate.Settings:
-    return regenerate.Settings(**{"max_new_tokens": 10, "batch_size": 2, "max_context_tokens": 512,
-                                  "device": "cpu", "dtype": "float32", **overrides})
+    defaults = regenerate.Settings.from_config(schema_defaults("regenerate"), max_seq_len=512)
+    return dataclasses.replace(defaults, **{"max_new_tokens": 10, "batch_size": 2, "device": "cpu",
+                                            "dtype": "float32", **overrides})
 
 
 def word_count(history):

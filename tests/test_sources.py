@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from eagle3_pipeline import assets, conversations
-from eagle3_pipeline.stages.evaluate import load_prompts
+from eagle3_pipeline.prompts import load_prompts
 
 
 def test_codeio_package_records_become_two_turn_conversations():

@@ -90,7 +90,7 @@ def test_systemic_failures_stop_the_job_and_a_few_bad_records_do_not():
 
 def test_vocab_refuses_shards_without_assistant_tokens(tmp_path, target_dir):
     from eagle3_pipeline.logs import ClearError
-    from eagle3_pipeline.stages import data as data_stage
+    from eagle3_pipeline.stages import vocab as vocab_stage
 
     rng = np.random.default_rng(0)
     data = sequences(rng)
@@ -100,6 +100,6 @@ def test_vocab_refuses_shards_without_assistant_tokens(tmp_path, target_dir):
     import logging
 
     with pytest.raises(ClearError, match="no assistant tokens"):
-        data_stage.build_vocab([tmp_path / "shard-00000.zarr"], target_dir, 100, tmp_path / "v.safetensors",
-                               logging.getLogger("test"))
+        vocab_stage.build_vocab([tmp_path / "shard-00000.zarr"], target_dir, 100, tmp_path / "v.safetensors",
+                                logging.getLogger("test"))
     assert not (tmp_path / "v.safetensors").exists()

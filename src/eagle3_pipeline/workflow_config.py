@@ -144,6 +144,7 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     server_url = (regenerate.get("server") or {}).get("url")
     if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    link_max_seq_len(config)
     extract = config.get("extract") or {}
     if extract.get("backend") == "sglang":
         for key in ("aux_url", "final_url"):
@@ -151,6 +152,36 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
                 raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
     return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def link_max_seq_len(config: dict[str, Any]) -> None:
+    """train.max_seq_len follows data.max_seq_len when null (filled in here, so the training snapshot and the
+    train stage see the effective value); set, it may only cut further: the stores hold nothing longer."""
+    data_len, train = config["data"]["max_seq_len"], config.get("train")
+    if train is None:
+        return
+    if train.get("max_seq_len") is None:
+        train["max_seq_len"] = data_len
+    elif train["max_seq_len"] > data_len:
+        raise ConfigError(f"config key train.max_seq_len: {train['max_seq_len']} is more than data.max_seq_len "
+                          f"({data_len}), the longest sequence the stores hold; lower it or leave it null")
+
+
+def schema_defaults(section: str, schema_path: Path | None = None) -> dict[str, Any]:
+    """The schema's defaults of one config section (nested objects included): what a validated config holds
+    for keys it leaves out. For callers outside the workflow (tests, benchmarks) building stage settings."""
+    path = schema_path or Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+    return _defaults(yaml.safe_load(Path(path).read_text())["properties"][section])
+
+
+def _defaults(schema: dict[str, Any]) -> dict[str, Any]:
+    values = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        if "default" in sub:
+            values[key] = sub["default"]
+        elif sub.get("type") == "object":
+            values[key] = _defaults(sub)
+    return values
 
 
 # GGUF architecture names of the supported families (Mistral GGUFs say "llama"); the full check of the rope

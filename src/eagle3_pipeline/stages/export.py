@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import drafter_weights, serving_dir
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.backends import sglang_layer_ids
+
+
+@dataclass(frozen=True)
+class Settings:
+    dtype: str  # of the served weights: bfloat16, float16 or float32
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> Settings:
+        return cls(dtype=section["dtype"])
 
 
 def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
@@ -51,22 +63,20 @@ def export(model: Drafter, out_dir: Path, dtype: str = "bfloat16") -> None:
     serving_dir.write(out_dir, tensors, serving_config(model.config, dtype))
 
 
-def load(directory: Path, embedding: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load an exported drafter (from the export, as a server would); the embedding comes from the target."""
-    config_json, state = serving_dir.read(directory)
-    model = Drafter(DrafterConfig(**config_json[DRAFTER_CONFIG_KEY]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{directory}: missing {missing}, unexpected {unexpected}")
-    if embedding is not None:
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embedding)
-    return model.to(dtype).eval()
-
-
 def load_trained(weights_path: Path) -> Drafter:
     """The training rule's output (weights + the drafter config in the safetensors metadata)."""
     config, weights = drafter_weights.read_trained(weights_path)
     model = Drafter(DrafterConfig(**config))
     model.load_state_dict(weights, strict=False)
     return model
+
+
+def run(weights: Path, output: Path, settings: Settings, log: logging.Logger) -> None:
+    export(load_trained(weights), output, dtype=settings.dtype)
+    log.info("exported %s (%s): SGLang --speculative-algorithm EAGLE3 --speculative-draft-model-path %s",
+             output, settings.dtype, output)
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    run(Path(snakemake.input.weights), Path(snakemake.output[0]), Settings(dtype=snakemake.params.dtype), log)

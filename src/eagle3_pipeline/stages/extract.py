@@ -10,14 +10,32 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.batches import pack_greedy
 from eagle3_pipeline.formats import hidden_store, token_shards
+from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.runtime import backends
 from eagle3_pipeline.runtime.backends import Backend, finite_rows
 
 
 class NonFiniteActivations(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    token_budget: int  # padded tokens per forward batch
+    writer_threads: int
+    store_shard_bytes: int  # raw bytes per zarr shard file (the unit of writing and of resume)
+    backend: dict[str, Any]  # the `extract` section as runtime.backends.from_config reads it
+    trust_remote_code: bool
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
+        return cls(token_budget=section["token_budget"], writer_threads=section["writer_threads"],
+                   store_shard_bytes=section["store_shard_mb"] << 20, backend=dict(section),
+                   trust_remote_code=trust_remote_code)
 
 
 @dataclass
@@ -126,3 +144,24 @@ def _drain(in_flight, writer: hidden_store.StoreWriter, sequences: dict[str, Any
     skip = max(0, writer.buffer_start + writer.buffered - batch.start_row)  # rows already durable (resume)
     writer.append(hidden_store.bf16_to_u16(aux[skip:]), hidden_store.bf16_to_u16(last[skip:]))
     progress.update(1, batch.end_row - batch.start_row)
+
+
+def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
+    backend = backends.from_config(settings.backend, target_dir, settings.trust_remote_code)
+    identity = read_identity(target_dir)
+    attrs = extract_shard(
+        backend, tokens, output, settings.token_budget, settings.writer_threads,
+        {"target_hash": identity["content_hash"], "target_revision": identity["source"].get("revision"),
+         "device": str(backend.device)},
+        log,
+        store_shard_bytes=settings.store_shard_bytes,
+    )
+    log.info("store complete: %d sequences, %d tokens", attrs["num_sequences"], attrs["num_tokens"])
+    return attrs
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    torch.set_num_threads(snakemake.threads)
+    settings = Settings.from_config(snakemake.params.extract, snakemake.params.trust_remote_code)
+    run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from eagle3_pipeline import logs
+from eagle3_pipeline.formats import reports, token_shards
+from eagle3_pipeline.runtime import backends
 from eagle3_pipeline.runtime.backends import Backend
+from eagle3_pipeline.runtime.devices import pick_device
+from eagle3_pipeline.runtime.loading import load_model
 
 COSINE_THRESHOLD = 0.99
 ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower
@@ -26,6 +32,20 @@ ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 referen
 
 class ParityError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    sequences: int  # the first sequences of token shard 0
+    max_tokens: int  # each cut to this many tokens
+    device: str  # where the fp32 reference runs
+    backend: dict[str, Any]  # the `extract` section: the backend under test, as runtime.backends.from_config reads it
+    trust_remote_code: bool
+
+    @classmethod
+    def from_config(cls, parity: dict[str, Any], extract: dict[str, Any], trust_remote_code: bool) -> Settings:
+        return cls(sequences=parity["sequences"], max_tokens=parity["max_tokens"], device=parity["device"],
+                   backend=dict(extract), trust_remote_code=trust_remote_code)
 
 
 @dataclass
@@ -142,3 +162,30 @@ def check(backend: Backend, model: torch.nn.Module, sequences: list[np.ndarray],
     log.info("final state: cosine to post-norm %.5f, to pre-norm %.5f; lm_head argmax agreement %.4f",
              report.last_cosine_post_norm, report.last_cosine_pre_norm, report.argmax_agreement)
     return report
+
+
+def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log_path: str,
+        log: logging.Logger) -> ParityReport:
+    """The `parity` rule: raise ParityError (naming the causes) unless the backend matches the reference."""
+    shard = token_shards.read(tokens)
+    sequences = [shard.sequence(i)[0][: settings.max_tokens] for i in range(min(settings.sequences, len(shard)))]
+    backend = backends.from_config(settings.backend, target_dir, settings.trust_remote_code)
+    reference = load_model(target_dir, device=pick_device(settings.device), dtype=torch.float32,
+                                  trust_remote_code=settings.trust_remote_code)
+    report = check(backend, reference, sequences, log)
+    if not report.passed:
+        log.error("parity check FAILED for backend %s:\n  %s", report.backend, "\n  ".join(report.problems))
+        raise ParityError(f"backend {report.backend} disagrees with the HF reference "
+                          f"(see {log_path}):\n  " + "\n  ".join(report.problems))
+    reports.write(output, report.as_dict())
+    log.info("parity check passed on %d sequences (%d tokens)", report.sequences, report.tokens)
+    return report
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    torch.set_num_threads(snakemake.threads)
+    params = snakemake.params
+    settings = Settings.from_config(params.parity, params.extract, params.trust_remote_code)
+    run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings,
+        snakemake.log[0], log)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,42 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eagle3_pipeline.formats import metrics  # noqa: E402
+from eagle3_pipeline import logs  # noqa: E402
+from eagle3_pipeline.formats import metrics, reports  # noqa: E402
 from eagle3_pipeline.formats.evaluation import (  # noqa: E402
     TAU_COLUMNS,
     TIMING_FILE,
     read_evaluations,
     read_results,
     tau_rows,
+    write_tau_table,
 )
 from eagle3_pipeline.formats.target_dir import read_identity  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: dict[str, Any]  # the whole run config, recorded in the provenance
+
+
+@dataclass(frozen=True)
+class Inputs:
+    evaluations: list[Path]
+    timing: Path
+    metrics: Path
+    summary: Path
+    disk: Path
+    config_snapshot: Path
+    target: Path
+
+
+@dataclass(frozen=True)
+class Outputs:
+    acceptance: Path
+    tau: Path
+    training: Path
+    disk: Path
+    provenance: Path
 
 
 def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
@@ -38,7 +66,7 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    reports.write_figure(fig, out)
     plt.close(fig)
 
 
@@ -71,7 +99,7 @@ def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any]
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    reports.write_figure(fig, out)
     plt.close(fig)
 
 
@@ -101,7 +129,7 @@ def disk_figure(disk_report: dict[str, Any], out: Path) -> None:
     ax.set(title=f"Hidden-state stores: actual/planned = {disk_report['actual_over_planned']:.3f}", ylabel="MB")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    reports.write_figure(fig, out)
     plt.close(fig)
 
 
@@ -120,6 +148,27 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
     identity = read_identity(target_dir)
     return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
             "target": identity, "packages": packages}
+
+
+def run(inputs: Inputs, outputs: Outputs, settings: Settings) -> None:
+    evaluations = read_evaluations(inputs.evaluations)
+    acceptance_figure(evaluations, outputs.acceptance)
+    write_tau_table(outputs.tau, evaluations, read_results(inputs.timing))
+    training_figure(inputs.metrics, outputs.training, metrics.read_summary(inputs.summary))
+    disk_figure(reports.read(inputs.disk), outputs.disk)
+    reports.write(outputs.provenance, provenance(settings.config, inputs.config_snapshot, inputs.target))
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    given = snakemake.input
+    inputs = Inputs([Path(p) for p in given.evaluations], Path(given.timing), Path(given.metrics),
+                    Path(given.summary), Path(given.disk), Path(given.config), Path(given.target))
+    made = snakemake.output
+    outputs = Outputs(Path(made.acceptance), Path(made.tau), Path(made.training), Path(made.disk),
+                      Path(made.provenance))
+    run(inputs, outputs, Settings(config=dict(snakemake.params.full_config)))
+    log.info("wrote %s", ", ".join(snakemake.output))
 
 
 def run_directory(configs: list[Path]) -> Path:

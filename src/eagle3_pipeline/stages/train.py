@@ -11,49 +11,66 @@ import logging
 import math
 import os
 import random
+import shutil
+import subprocess
+import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from eagle3_pipeline import logs
 from eagle3_pipeline.drafter import offline_acceptance
 from eagle3_pipeline.drafter.attention import TTTKernel, choose_ttt_attention
 from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
-from eagle3_pipeline.formats import draft_vocab, drafter_weights, hidden_store, metrics, train_state
+from eagle3_pipeline.formats import draft_vocab, drafter_weights, hidden_store, metrics, train_state, zarr_io
 from eagle3_pipeline.formats.target_dir import content_hash, file_sha256, read_head
+from eagle3_pipeline.runtime.devices import process_device
 
 log = logging.getLogger(__name__)
 NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
-    ttt_steps: int = 7
-    step_weight_decay: float = 0.8
-    learning_rate: float = 1e-4
-    warmup_steps: int = 50
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_tokens: int = 8192
-    max_seq_len: int = 2048
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    seed: int = 0
-    checkpoint_every: int = 200
-    log_every: int = 10
-    num_workers: int = 2
-    device: str = "auto"
-    attention: str = "auto"  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
-    compile: str = "auto"  # torch.compile the loss: "on", "off"; auto = on GPU
-    feature_noise: float = 0.0  # Gaussian noise on the aux features, relative to each row's RMS
-    heldout_select_k: int = 4  # keep the weights with the best offline tau at this draft length
-    pad_multiple: int = 64  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
-    drafter_intermediate_size: int | None = None  # the drafter's MLP width; None = the target's
+    """The `train` config section as training uses it (no defaults here: they are config/schema.yaml's)."""
+    ttt_steps: int
+    step_weight_decay: float
+    learning_rate: float
+    warmup_steps: int
+    epochs: int
+    max_steps: int | None
+    batch_tokens: int
+    max_seq_len: int  # null in the config means data.max_seq_len: workflow_config fills it in
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    checkpoint_every: int
+    log_every: int
+    num_workers: int
+    device: str
+    attention: str  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
+    compile: str | bool  # torch.compile the loss: "on", "off"; auto = on GPU
+    feature_noise: float  # Gaussian noise on the aux features, relative to each row's RMS
+    heldout_select_k: int  # keep the weights with the best offline tau at this draft length
+    pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
+    drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
+
+    # keys of the section that are not the training process's: the rule's resources and inputs use them
+    NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> TrainSettings:
+        """From the validated section; a key neither a setting nor in NOT_SETTINGS is an error, not dropped."""
+        unknown = set(section) - {f.name for f in fields(cls)} - cls.NOT_SETTINGS
+        if unknown:
+            raise ValueError(f"train settings: unknown keys {sorted(unknown)}")
+        return cls(**{f.name: section[f.name] for f in fields(cls)})
 
 
 # ---------------------------------------------------------------- set-up helpers
@@ -81,14 +98,6 @@ def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
         return (step + 1) / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested != "auto":
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def rng_state() -> dict[str, Any]:
@@ -192,7 +201,7 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     aux_layer_ids = stores[0]["aux_layer_ids"]
     if any(s["aux_layer_ids"] != aux_layer_ids for s in stores):
         raise ValueError("hidden-state stores disagree on aux_layer_ids; they come from different extractions")
-    device = pick_device(settings.device)
+    device = process_device(settings.device)
     distributed = dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
@@ -306,7 +315,7 @@ class HeldoutSelection:
 
     def __init__(self, paths: list[Path], settings: TrainSettings, lm_head: torch.Tensor, state_dir: Path,
                  start: int, device: torch.device, attention: TTTKernel):
-        self.schedule = BatchSchedule(paths, TrainSettings(**(asdict(settings) | {"epochs": 1})))
+        self.schedule = BatchSchedule(paths, replace(settings, epochs=1))
         self.settings, self.lm_head, self.device = settings, lm_head, device
         self.attention = attention  # the training's TTT kernel: the estimate unrolls the drafter the same way
         self.csv, self.best_path = state_dir / metrics.HELDOUT_FILE, state_dir / drafter_weights.BEST_WEIGHTS_FILE
@@ -405,6 +414,103 @@ def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:
     return result
 
 
-def settings_from_config(config: dict[str, Any]) -> TrainSettings:
-    known = TrainSettings.__dataclass_fields__
-    return TrainSettings(**{k: v for k, v in config.items() if k in known})
+# ---------------------------------------------------------------- the rule's job: one process, or torchrun
+
+# Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
+DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What every training process reads and writes; under torchrun it travels as JSON
+    (`python -m eagle3_pipeline.stages.train JOB.json`, one process per GPU)."""
+    stores: tuple[Path, ...]
+    heldout: tuple[Path, ...]  # stores of the held-out conversations: the offline estimate picks the weights
+    target: Path
+    vocab: Path
+    state_dir: Path  # checkpoints, metrics and the train log's history: kept across kills
+    weights: Path
+    summary: Path
+    log: Path
+    settings: TrainSettings
+
+    def as_json(self) -> str:
+        paths = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settings"}
+        return json.dumps({key: [str(p) for p in value] if isinstance(value, tuple) else str(value)
+                           for key, value in paths.items()} | {"settings": asdict(self.settings)})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainJob:
+        values = json.loads(text)
+        return cls(stores=tuple(Path(p) for p in values["stores"]),
+                   heldout=tuple(Path(p) for p in values.get("heldout", [])),
+                   **{key: Path(values[key]) for key in ("target", "vocab", "state_dir", "weights", "summary", "log")},
+                   settings=TrainSettings.from_config(values["settings"]))
+
+
+def data_error_line(error: Exception) -> str:
+    """The error's own line; a DataLoader worker's error arrives with the worker's traceback prepended and
+    its own `module.Class: message` line last."""
+    last = str(error).strip().splitlines()[-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last.removeprefix(prefix)
+
+
+def run_process(job: TrainJob) -> None:
+    """One training process (rank 0 writes the weights and the summary)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    log = logs.setup(str(job.log) if rank == 0 else None, name="train",
+                     history=job.state_dir / "train.log" if rank == 0 else None)
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+    try:
+        try:
+            model = train(list(job.stores), job.target, job.vocab, job.state_dir, job.settings,
+                          heldout_paths=list(job.heldout))
+        except DATA_ERRORS as error:
+            log.error("training stopped: %s", data_error_line(error))
+            raise SystemExit(1) from None
+        if rank == 0:
+            weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
+            drafter_weights.write_trained(job.weights, weights, model.config.as_dict())
+            result = summary(job.state_dir, job.settings)
+            metrics.write_summary(job.summary, result)
+            log.info("done: %s", result)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(job: TrainJob, gpus: int, metrics_output: Path) -> None:
+    """Train in this process, or with more than one GPU in one torchrun process per GPU; then publish the
+    metrics of the run (train_state/ keeps the history a resume appends to)."""
+    if gpus > 1:
+        job_path = job.state_dir / "args.json"
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        job_path.write_text(job.as_json())
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                        "-m", "eagle3_pipeline.stages.train", str(job_path)], check=True)
+    else:
+        run_process(job)
+    shutil.copyfile(job.state_dir / metrics.METRICS_FILE, metrics_output)
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    import yaml
+
+    torch.set_num_threads(snakemake.threads)
+    Path(snakemake.output.config).write_text(yaml.safe_dump(dict(snakemake.params.provenance), sort_keys=False))
+    job = TrainJob(stores=tuple(Path(p) for p in snakemake.input.stores),
+                   heldout=tuple(Path(p) for p in snakemake.input.heldout), target=Path(snakemake.input.target),
+                   vocab=Path(snakemake.input.vocab), state_dir=Path(snakemake.params.state_dir),
+                   weights=Path(snakemake.output.weights), summary=Path(snakemake.output.summary),
+                   log=Path(snakemake.log[0]), settings=TrainSettings.from_config(dict(snakemake.params.settings)))
+    run(job, int(snakemake.resources.get("gpu", 0)), Path(snakemake.output.metrics))
+
+
+if __name__ == "__main__":
+    run_process(TrainJob.from_json(Path(sys.argv[1]).read_text()))

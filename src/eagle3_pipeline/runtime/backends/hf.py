@@ -22,12 +22,7 @@ from eagle3_pipeline.runtime.backends import (
     default_aux_layer_ids,
     finite_rows,
 )
-
-
-def pick_device(requested: str = "auto") -> str:
-    if requested != "auto":
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from eagle3_pipeline.runtime.devices import pick_device
 
 
 def pick_dtype(requested: str, device: str) -> torch.dtype:

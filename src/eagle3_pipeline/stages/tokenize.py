@@ -1,19 +1,18 @@
-"""The data stage's jobs: tokenize one conversation shard, build the draft vocabulary."""
+"""Rule `tokenize`: one conversation shard -> one token shard (chat template + assistant loss mask)."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from eagle3_pipeline import systemic, vocab
-from eagle3_pipeline.formats import draft_vocab, token_shards
+from eagle3_pipeline import logs, systemic
+from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.formats.target_dir import read_identity
-from eagle3_pipeline.logs import ClearError, Progress
-from eagle3_pipeline.runtime.loading import load_config
+from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.runtime.loading import load_tokenizer
 from eagle3_pipeline.tokenization import (
     TemplateError,
     character_bound,
@@ -22,6 +21,20 @@ from eagle3_pipeline.tokenization import (
     template_hash,
     tokenize_conversation,
 )
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_seq_len: int
+    overlength: str  # "truncate" or "drop"
+    end_of_turn: str | None  # None: the tokenizer's EOS token
+    trust_remote_code: bool
+
+    @classmethod
+    def from_config(cls, data: dict[str, Any], trust_remote_code: bool) -> Settings:
+        return cls(max_seq_len=data["max_seq_len"], overlength=data["overlength"], end_of_turn=data["end_of_turn"],
+                   trust_remote_code=trust_remote_code)
+
 
 TOKENIZE_FIXES = {
     "dropped_template_error": "set target.chat_template (a Jinja template file, or a built-in name: chatml)",
@@ -86,26 +99,22 @@ def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_d
     return written
 
 
-def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int, output: Path,
-                log: logging.Logger) -> dict[str, Any]:
-    vocab_size = load_config(target_dir).vocab_size
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    per_shard = {}
-    for path in shard_paths:
-        shard = token_shards.read(path)
-        counts += vocab.count_tokens(shard.input_ids, shard.loss_mask, vocab_size)
-        per_shard[path.name] = {key: shard.attrs[key] for key in ("num_sequences", "num_tokens",
-                                                                  "num_loss_tokens")}
-    if not counts.any():
-        raise ClearError(f"vocab: the token shards hold no assistant tokens ({len(shard_paths)} shards); "
-                         f"see the tokenize logs (an end-of-turn or template problem: data.end_of_turn, "
-                         f"target.chat_template)")
-    draft = vocab.select(counts, min(draft_vocab_size, vocab_size))
-    draft_vocab.write(output, draft)
-    distinct = int((counts > 0).sum())
-    log.info("draft vocab: %d of %d ids; %d distinct assistant tokens seen; coverage of assistant tokens %.4f",
-             len(draft.draft_ids), vocab_size, distinct, draft.coverage)
-    return {"vocab_size": vocab_size, "draft_vocab_size": len(draft.draft_ids), "coverage": draft.coverage,
-            "distinct_assistant_tokens": distinct, "shards": per_shard,
-            "total_tokens": int(sum(s["num_tokens"] for s in per_shard.values())),
-            "total_loss_tokens": int(sum(s["num_loss_tokens"] for s in per_shard.values()))}
+def run(conversations_path: Path, target_dir: Path, output: Path, settings: Settings,
+        log: logging.Logger) -> dict[str, Any]:
+    return tokenize_shard(
+        conversation_shards.read(conversations_path),
+        tokenizer=load_tokenizer(target_dir, settings.trust_remote_code),
+        target_dir=target_dir,
+        output=output,
+        max_seq_len=settings.max_seq_len,
+        overlength=settings.overlength,
+        end_of_turn=settings.end_of_turn,
+        source_name=str(conversations_path),
+        log=log,
+    )
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    settings = Settings.from_config(snakemake.params.data, snakemake.params.trust_remote_code)
+    run(Path(snakemake.input.conversations), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

@@ -1,0 +1,25 @@
+"""Reports: the small JSON records stages leave for people and for the report (ingest report, data stats,
+parity report, disk plan vs actual, provenance, job files of evaluation workers) and the report's figures.
+Written whole through a `.partial` sibling, like every artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.formats.atomic import atomic_file, atomic_write
+
+
+def write(path: Path, record: dict[str, Any]) -> None:
+    atomic_write(Path(path), json.dumps(record, indent=2))
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def write_figure(figure: Any, path: Path, dpi: int = 110) -> None:
+    """A matplotlib figure as PNG (the format named explicitly: the `.partial` name has no image suffix)."""
+    with atomic_file(Path(path)) as partial:
+        figure.savefig(partial, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")

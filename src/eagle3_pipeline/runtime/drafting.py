@@ -1,0 +1,149 @@
+"""The drafter side of speculative decoding: chain drafts from an EAGLE-3 drafter with its own KV cache, the
+untrained baseline, and loading the target runtime with the exported drafters as a server would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.drafter.attention import DecodeKV, StaticKV
+from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats import serving_dir as serving_format
+from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
+from eagle3_pipeline.runtime.decode import TargetRuntime
+
+
+class DrafterProposer:
+    """Chain drafts from an EAGLE-3 drafter, keeping its KV cache of real rows across verify steps.
+
+    `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so a
+    compiled (`compiled`: CUDA-graph) step sees two shapes only - k + 1 real rows and one chain row. Padding
+    rows sit beyond the last real position, where the chain and the next step overwrite them."""
+
+    def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.cache: DecodeKV | StaticKV | None = None
+        self.done = 0  # rows (f_t, x_{t+1}) already in the cache
+        self.static = static or compiled
+        self.static_cache: StaticKV | None = None
+        self.step = torch.compile(drafter.decode, mode="reduce-overhead", dynamic=False) if compiled else None
+        self.log = log
+
+    def reset(self) -> None:
+        self.cache, self.done = None, 0
+
+    @torch.inference_mode()
+    def __call__(self, context: list[int], features: torch.Tensor, k: int) -> list[int]:
+        """context = tokens x_0..x_n (x_n not yet seen by the target); features = f_0..f_{n-1}."""
+        drafts, _ = self.chain(context, features, k)
+        # One device-to-host copy for the whole chain: a sync per draft token would stall the GPU k times
+        # (and, with other processes on the GPU, wait for a time slice each time).
+        return drafts.tolist()
+
+    @torch.inference_mode()
+    def chain(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft target ids [k] and the draft-vocab logits [k, K] they were chosen from.
+
+        Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
+        feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
+        (fed draft i) at position n-1+i."""
+        n = features.shape[0]
+        new = n - self.done
+        width = k + 1 if self.static and new <= k + 1 else new
+        dtype = self.drafter.fc.weight.dtype
+        tokens = context[self.done + 1: n + 1]
+        new_tokens = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
+        positions = torch.arange(self.done, self.done + width, device=self.device)[None]
+        hidden = features[self.done:n].to(self.device, dtype)
+        if width > new:
+            hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
+        hidden = hidden[None]
+        if self.static:
+            self._reserve(max(self.done + width, n + k))
+        logits, hidden, self.cache = self._decode(new_tokens, hidden, positions, compiled=width == k + 1)
+        self.done = n
+        real = self.cache
+        hidden, logits = hidden[:, new - 1:new], logits[0, new - 1]
+        token = self.drafter.draft_to_target(logits.argmax())
+        drafts, chain_logits = [token], [logits]
+        for step in range(1, k):
+            position = torch.full((1, 1), n - 1 + step, device=self.device)
+            logits, hidden, self.cache = self._decode(token.view(1, 1), hidden, position, compiled=True)
+            logits = logits[0, -1]
+            token = self.drafter.draft_to_target(logits.argmax())
+            drafts.append(token)
+            chain_logits.append(logits)
+        self.cache = real  # chain rows are speculative; the next call appends the verified real rows
+        return torch.stack(drafts), torch.stack(chain_logits)
+
+    def _reserve(self, rows: int) -> None:
+        """A static cache of at least `rows` slots (powers of two: few sizes, few recompilations)."""
+        if self.static_cache is None or self.static_cache.capacity < rows:
+            grown = StaticKV.empty(self.drafter.config, 1 << max(8, (rows - 1).bit_length()), self.device,
+                                   self.drafter.fc.weight.dtype)
+            if self.static_cache is not None:
+                kept = self.static_cache.capacity
+                grown.keys[:, :, :kept] = self.static_cache.keys
+                grown.values[:, :, :kept] = self.static_cache.values
+            self.static_cache = grown
+        self.cache = self.static_cache
+
+    def _decode(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, compiled: bool):
+        if self.step is None or not compiled:
+            return self.drafter.decode(ids, hidden, positions, self.cache)
+        try:
+            logits, hidden, cache = self.step(ids, hidden, positions, self.cache)
+        except Exception as exc:  # no Triton, unsupported op, compiler error: draft eagerly instead
+            if self.log is not None:
+                self.log.warning("compiled drafter step failed (%s: %s); drafting eagerly", type(exc).__name__,
+                                 str(exc)[:300])
+            self.step = None  # rows are written at their positions, so running the step again is harmless
+            return self.drafter.decode(ids, hidden, positions, self.cache)
+        # CUDA-graph outputs are overwritten by the next replay: keep copies
+        return logits.clone(), hidden.clone(), cache
+
+
+def untrained_like(drafter: Drafter, seed: int = 0) -> Drafter:
+    """The same drafter shape with fresh random weights, sharing the embedding and the vocab mapping."""
+    torch.manual_seed(seed)
+    untrained = Drafter(drafter.config)
+    untrained.load_state_dict({k: v for k, v in drafter.state_dict().items()
+                               if k.startswith("embed_tokens") or k in ("d2t", "t2d")}, strict=False)
+    return untrained.to(next(drafter.parameters()).device, drafter.fc.weight.dtype).eval()
+
+
+def load_models(target_dir: Path, serving_dir: Path, device_setting: str, dtype_name: str, untrained_baseline: bool,
+                compile_setting: str | bool, trust_remote_code: bool, log: Any, timing_pass: bool = False
+                ) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
+    """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
+    all loaded from disk as a server would."""
+    from eagle3_pipeline.formats.target_dir import read_head
+    from eagle3_pipeline.runtime import decode as runtime
+    from eagle3_pipeline.runtime.devices import pick_device
+
+    device = pick_device(device_setting)
+    dtype = getattr(torch, dtype_name)
+    embedding, _ = read_head(target_dir)
+    drafter = load_served(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
+    drafters = {"eagle3": drafter}
+    if untrained_baseline:
+        drafters["eagle3-untrained"] = untrained_like(drafter)
+    target, tokenizer = runtime.load(target_dir, drafter.config.aux_layer_ids, device, dtype, compile_setting,
+                                     timing_pass, trust_remote_code, log)
+    return target, tokenizer, drafters
+
+
+def load_served(directory: Path, embedding: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
+    """An exported drafter, loaded as a server would (the embedding comes from the target)."""
+    config_json, state = serving_format.read(directory)
+    model = Drafter(DrafterConfig(**config_json[DRAFTER_CONFIG_KEY]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ValueError(f"{directory}: missing {missing}, unexpected {unexpected}")
+    if embedding is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embedding)
+    return model.to(dtype).eval()

@@ -1,0 +1,264 @@
+"""Greedy speculative decoding with the HF target: the methods, their traces and the figures drawn from them.
+
+Methods, all in one run on the same prompts: `target` (plain greedy, the speed baseline and the
+reference output), `eagle3` (our exported drafter), `eagle3-untrained` (same shape, random weights) and
+`prompt-lookup` (n-gram drafts copied from the context). In fp32 every speculative method must reproduce the
+target's greedy tokens exactly (lossless); a mismatch raises naming the prompt. In bf16/fp16 a (k+1)-token
+verify may round differently from a one-token step at a near tie: the share of prompts that diverged and
+where is reported instead.
+
+Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
+prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
+The drafter keeps its own KV cache of real (target-feature) rows; chain rows are dropped after each verify.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3_pipeline.drafter.model import Drafter
+from eagle3_pipeline.logs import Progress
+from eagle3_pipeline.prompts import Prompt
+from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.drafting import DrafterProposer
+
+
+class LosslessViolation(AssertionError):
+    pass
+
+
+@dataclass
+class Trace:
+    prompt_id: str
+    method: str
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per verify step
+    target_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after the prefill (the bonus token included)."""
+        return len(self.tokens) / max(self.target_forwards, 1)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def greedy(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
+    trace = Trace(prompt_id, "target", [])
+    start = time.perf_counter()
+    cache = target.new_cache(len(prompt_ids) + max_new)
+    logits, _ = target.forward(prompt_ids, cache)
+    token = int(logits[-1].argmax())
+    trace.tokens.append(token)
+    while len(trace.tokens) < max_new and token not in eos:
+        logits, _ = target.forward([token], cache)
+        trace.target_forwards += 1
+        token = int(logits[-1].argmax())
+        trace.tokens.append(token)
+    synchronize(target.device)
+    trace.total_seconds = trace.verify_seconds = time.perf_counter() - start
+    trace.target_forwards = max(trace.target_forwards, 1)
+    return trace
+
+
+DraftFn = Callable[[list[int], torch.Tensor, int], list[int]]
+
+
+def prompt_lookup(max_ngram: int = 3) -> DraftFn:
+    """Drafts copied from the context after the most recent earlier match of its last n tokens."""
+    def propose(context: list[int], _features: torch.Tensor, k: int) -> list[int]:
+        for n in range(max_ngram, 0, -1):
+            if len(context) <= n:
+                continue
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start: start + n] == tail:
+                    follow = context[start + n: start + n + k]
+                    if follow:
+                        return follow
+        return []
+    return propose
+
+
+def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], k: int, max_new: int, eos: set[int],
+                prompt_id: str, method: str) -> Trace:
+    trace = Trace(prompt_id, method, [])
+    start = time.perf_counter()
+    cache = target.new_cache(len(prompt_ids) + max_new + k + 1)
+    logits, features = target.forward(prompt_ids, cache)
+    context = list(prompt_ids) + [int(logits[-1].argmax())]
+    trace.tokens.append(context[-1])
+    while len(trace.tokens) < max_new and context[-1] not in eos:
+        n = len(context) - 1  # rows the target has seen
+        tick = time.perf_counter()
+        drafts = propose(context, features, k)[:k]
+        synchronize(target.device)
+        middle = time.perf_counter()
+        logits, new_features = target.forward([context[-1]] + drafts, cache)
+        predictions = logits.argmax(-1).tolist()
+        synchronize(target.device)
+        trace.draft_seconds += middle - tick
+        trace.verify_seconds += time.perf_counter() - middle
+        trace.target_forwards += 1
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == predictions[accepted]:
+            accepted += 1
+        trace.accepted.append(accepted)
+        trace.drafted.append(len(drafts))
+        new = drafts[:accepted] + [predictions[accepted]]
+        target.crop(cache, n + accepted + 1)
+        features = torch.cat([features, new_features[: accepted + 1]])
+        for token in new:
+            context.append(token)
+            trace.tokens.append(token)
+            if token in eos:
+                break
+    trace.tokens = trace.tokens[:max_new]
+    trace.total_seconds = time.perf_counter() - start
+    return trace
+
+
+def acceptance_by_position(traces: list[Trace], k: int) -> list[float]:
+    """P(draft i accepted | drafts before it accepted), i = 1..k."""
+    reached, accepted = np.zeros(k), np.zeros(k)
+    for trace in traces:
+        for got, offered in zip(trace.accepted, trace.drafted, strict=True):
+            for i in range(min(got + 1, offered)):
+                reached[i] += 1
+                accepted[i] += i < got
+    return [float(a / r) if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
+
+
+def summarise(traces: list[Trace], k: int) -> dict[str, Any]:
+    """The tau pass's figures: they count tokens and target forwards, so they do not depend on timing."""
+    tokens = sum(len(t.tokens) for t in traces)
+    forwards = sum(t.target_forwards for t in traces)
+    return {
+        "prompts": len(traces), "tokens": tokens, "k": k,
+        "tau": tokens / max(forwards, 1),
+        "acceptance_by_position": acceptance_by_position(traces, k),
+    }
+
+
+def timing_summary(traces: list[Trace], baseline: list[Trace]) -> dict[str, Any]:
+    """The timing pass's figures: tokens/s, speedup over target-only greedy on the same prompts, and the time
+    per verify step spent drafting and verifying (for `target`: per one-token forward)."""
+    tokens = sum(len(t.tokens) for t in traces)
+    rate = tokens / max(sum(t.total_seconds for t in traces), 1e-9)
+    base_rate = sum(len(t.tokens) for t in baseline) / max(sum(t.total_seconds for t in baseline), 1e-9)
+    steps = max(sum(t.target_forwards for t in traces), 1)
+    return {
+        "prompts": len(traces), "tokens": tokens, "tokens_per_s": rate, "speedup_vs_target": rate / base_rate,
+        "verify_steps": steps, "draft_ms_per_step": 1000 * sum(t.draft_seconds for t in traces) / steps,
+        "verify_ms_per_step": 1000 * sum(t.verify_seconds for t in traces) / steps,
+    }
+
+
+def first_divergence(trace: Trace, reference: Trace) -> int | None:
+    """Index of the first token where `trace` differs from the target's own greedy output, None if equal."""
+    if trace.tokens == reference.tokens:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(trace.tokens, reference.tokens, strict=False)) if a != b),
+                min(len(trace.tokens), len(reference.tokens)))
+
+
+def check_lossless(trace: Trace, reference: Trace) -> None:
+    at = first_divergence(trace, reference)
+    if at is not None:
+        raise LosslessViolation(f"prompt {trace.prompt_id}: {trace.method} output differs from the target's greedy "
+                                f"output at token {at}")
+
+
+def divergence(traces: list[Trace], reference: dict[str, Trace]) -> dict[str, Any]:
+    """Low precision: the share of prompts whose output left the target's greedy decode, and where. A (k+1)-token
+    verify and a one-token step may round differently at a near tie; the speculative run then goes on from its
+    own token (tau stays that run's own)."""
+    first = {t.prompt_id: at for t in traces if (at := first_divergence(t, reference[t.prompt_id])) is not None}
+    return {"diverged_share": len(first) / max(len(traces), 1), "first_divergence": first}
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, list[int]]]:
+    encoded = [(p.prompt_id, tokenizer.apply_chat_template(p.messages, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False)) for p in prompts]
+    return [(pid, list(ids["input_ids"] if isinstance(ids, dict) else ids)) for pid, ids in encoded]
+
+
+def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter],
+               ks: list[int], max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None],
+               strict: bool = True) -> None:
+    """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
+    ...) as soon as the prompt is done. With `strict` (fp32), lossless is checked here; in low precision
+    divergence is counted afterwards (`divergence`).
+
+    Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
+    the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
+    eos = end_of_sequence(tokenizer)
+    methods = method_table(drafters, ks, target.compiled, log)
+    target.prepare(ks)
+    progress = Progress(log, "prompts (all methods)", len(prompts))
+    for pid, ids in encode_prompts(tokenizer, prompts):
+        finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
+        on_prompt(finished)
+        progress.update(1, len(finished["target"].tokens))
+
+
+def end_of_sequence(tokenizer: Any) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None
+                 ) -> dict[str, tuple[DraftFn, int]]:
+    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", ...): each with its proposer and k.
+    `compiled`: drafters decode with a static cache through a compiled step, like the target."""
+    methods: dict[str, tuple[DraftFn, int]] = {}
+    for k in ks:
+        methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
+        for name, drafter in drafters.items():
+            if name.endswith("untrained") and k != ks[0]:
+                continue  # a baseline near tau=1: one draft length is enough
+            methods[f"{name}@k={k}"] = (DrafterProposer(drafter, compiled=compiled, log=log), k)
+    return methods
+
+
+def decode_prompt(target: TargetRuntime, methods: dict[str, tuple[DraftFn, int]], prompt_id: str, ids: list[int],
+                  max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
+    """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`."""
+    reference = greedy(target, ids, max_new, eos, prompt_id)
+    finished = {"target": reference}
+    for method, (propose, k) in methods.items():
+        if isinstance(propose, DrafterProposer):
+            propose.reset()
+        finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
+        if strict:
+            check_lossless(trace, reference)
+    return finished
+
+
+def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:
+    reference = by_method["target"]
+    reference_by_prompt = {t.prompt_id: t for t in reference}
+    results: dict[str, Any] = {"target": {"prompts": len(reference), "tokens": sum(len(t.tokens) for t in reference)}}
+    for method, traces in by_method.items():
+        if method == "target":
+            continue
+        k = int(method.rsplit("@k=", 1)[1])
+        results[method] = summary = summarise(traces, k) | divergence(traces, reference_by_prompt)
+        log.info("%s: tau %.3f, acceptance by position %s; %d of %d prompts diverged from the target's greedy "
+                 "output%s", method, summary["tau"], [round(a, 3) for a in summary["acceptance_by_position"]],
+                 len(summary["first_divergence"]), len(traces),
+                 f" (first divergence at token, by prompt: {summary['first_divergence']})"
+                 if summary["first_divergence"] else "")
+    return results

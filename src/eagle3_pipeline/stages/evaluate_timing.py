@@ -1,0 +1,114 @@
+"""Rule `evaluate_timing` (the timing pass): speeds of every method in one process, after the tau pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline import logs
+from eagle3_pipeline.drafter.model import Drafter
+from eagle3_pipeline.formats import evaluation
+from eagle3_pipeline.prompts import Prompt, load_prompts
+from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.devices import pick_device
+from eagle3_pipeline.runtime.drafting import DrafterProposer, load_models
+from eagle3_pipeline.runtime.speculative import (
+    Trace,
+    decode_prompt,
+    encode_prompts,
+    end_of_sequence,
+    method_table,
+    timing_summary,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    prompts: int  # timed per prompt set (the first ones)
+    max_new_tokens: int
+    multi_turn: bool
+    draft_lengths: tuple[int, ...]
+    device: str
+    dtype: str
+    compile: str | bool
+    trust_remote_code: bool
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
+        timing = section["timing"]
+        return cls(prompts=timing["prompts"], max_new_tokens=timing["max_new_tokens"],
+                   multi_turn=section["multi_turn"], draft_lengths=tuple(section["draft_lengths"]),
+                   device=section["device"], dtype=section["dtype"], compile=section["compile"],
+                   trust_remote_code=trust_remote_code)
+
+
+def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
+                ks: list[int], max_new: int, strict: bool, log: Any) -> dict[str, dict[str, Any]]:
+    """Speeds, per prompt set and method, measured in this one process (run it with nothing else of ours on the
+    device): every method on the same prompt back to back, after a warm-up run of every method that is not
+    counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
+    eos = end_of_sequence(tokenizer)
+    methods = method_table({"eagle3": drafter}, ks, target.compiled, log)
+    target.prepare(ks)
+    encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
+    # Size the static caches for the longest prompt before the warm-up: a cache that grew during the run would
+    # change the compiled steps' shapes, and their recompilation would be timed.
+    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + max(ks) + 1
+    target.new_cache(capacity)
+    for propose, _ in methods.values():
+        if isinstance(propose, DrafterProposer) and propose.static:
+            propose._reserve(capacity + max(ks))
+    warm_up_ids = next(iter(encoded.values()))[0][1]
+    decode_prompt(target, methods, "warm-up", warm_up_ids, min(max_new, 16), eos, strict)
+    results = {}
+    for name, prompts in encoded.items():
+        by_method: dict[str, list[Trace]] = {}
+        for pid, ids in prompts:
+            for method, trace in decode_prompt(target, methods, pid, ids, max_new, eos, strict).items():
+                by_method.setdefault(method, []).append(trace)
+        results[name] = {method: timing_summary(traces, by_method["target"]) for method, traces in by_method.items()}
+        for method, summary in results[name].items():
+            log.info("timing pass, %s, %s: %.1f tokens/s, speedup %.2fx, per verify step %.2f ms drafting + %.2f ms "
+                     "verifying", name, method, summary["tokens_per_s"], summary["speedup_vs_target"],
+                     summary["draft_ms_per_step"], summary["verify_ms_per_step"])
+    return results
+
+
+TIMING_PASS_ABOUT = ("timing pass: one process on the device after the tau pass, every method on the same prompts "
+                     "back to back, warm-up excluded; speeds only (tau: the tau pass)")
+
+
+def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[Prompt]], settings: Settings,
+               log: Any) -> dict[str, Any]:
+    """The timing pass's results JSON: speeds by prompt set and method."""
+    target, tokenizer, drafters = load_models(target_dir, serving_dir, settings.device, settings.dtype, False,
+                                              settings.compile, settings.trust_remote_code, log, timing_pass=True)
+    sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], list(settings.draft_lengths),
+                       settings.max_new_tokens, settings.dtype == "float32", log)
+    return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings.device),
+            "dtype": settings.dtype, "prompts_per_set": settings.prompts,
+            "max_new_tokens": settings.max_new_tokens, "sets": sets}
+
+
+def run(target_dir: Path, serving_dir: Path, prompt_files: dict[str, Path], output: Path, settings: Settings,
+        log: Any) -> dict[str, Any]:
+    prompt_sets = {name: load_prompts(path, settings.prompts, settings.multi_turn)
+                   for name, path in prompt_files.items()}
+    log.info("timing pass: %d prompts from each of %s on %s (%s), %d new tokens, k in %s",
+             settings.prompts, list(prompt_sets), settings.device, settings.dtype,
+             settings.max_new_tokens, list(settings.draft_lengths))
+    results = run_timing(target_dir, serving_dir, prompt_sets, settings, log)
+    evaluation.write_results(output, results)
+    return results
+
+
+def run_from_snakemake(snakemake: Any) -> None:
+    log = logs.setup(snakemake.log[0])
+    torch.set_num_threads(snakemake.threads)
+    prompt_files = {name: Path(path) for name, path in
+                    zip(snakemake.params.prompt_sets, snakemake.input.prompts, strict=True)}
+    run(Path(snakemake.input.target), Path(snakemake.input.serving), prompt_files, Path(snakemake.output[0]),
+        Settings.from_config(snakemake.params.settings, snakemake.params.trust_remote_code), log)

@@ -1,0 +1,118 @@
+"""Stage settings: built once from the validated config, every key read; stages do not import each other."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3_pipeline import workflow_config
+from eagle3_pipeline.stages import (
+    disk_report,
+    evaluate,
+    evaluate_timing,
+    export,
+    extract,
+    ingest,
+    parity,
+    regenerate,
+    target,
+    tokenize,
+    train,
+    vocab,
+)
+from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ROOT / "src" / "eagle3_pipeline" / "stages"
+# Artifact readers that still live in the train stage; they move to formats/ (issue 14, the FMT part).
+def embedded_config() -> dict:
+    """config/config.yaml with the schema's defaults filled in, as the workflow sees it."""
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for section, values in config.items():
+        if isinstance(values, dict):
+            config[section] = schema_defaults(section) | values
+    workflow_config.link_max_seq_len(config)
+    return config
+
+
+def test_every_stage_builds_its_settings_from_the_embedded_config():
+    config = embedded_config()
+    built = [
+        ingest.Settings.from_config(config["data"]),
+        tokenize.Settings.from_config(config["data"], trust_remote_code=False),
+        vocab.Settings.from_config(config["vocab"]),
+        target.Settings.from_config(config["target"]),
+        parity.Settings.from_config(config["parity"], config["extract"], trust_remote_code=False),
+        extract.Settings.from_config(config["extract"], trust_remote_code=False),
+        regenerate.Settings.from_config(config["regenerate"], config["data"]["max_seq_len"]),
+        train.TrainSettings.from_config(config["train"]),
+        export.Settings.from_config(config["export"]),
+        evaluate.Settings.from_config(config["evaluate"], trust_remote_code=False),
+        evaluate_timing.Settings.from_config(config["evaluate"], trust_remote_code=False),
+        disk_report.Settings.from_config(config["plan"]),
+    ]
+    for settings in built:
+        assert dataclasses.is_dataclass(settings)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(settings, dataclasses.fields(settings)[0].name, None)
+    assert built[7].max_seq_len == config["data"]["max_seq_len"] == 512
+    assert built[6].max_context_tokens == 512  # regenerate.max_context_tokens: null follows data.max_seq_len
+    assert built[10].prompts == config["evaluate"]["timing"]["prompts"]
+
+
+def test_stage_settings_have_no_defaults_of_their_own():
+    classes = [ingest.Settings, tokenize.Settings, vocab.Settings, target.Settings, parity.Settings,
+               extract.Settings, regenerate.Settings, train.TrainSettings, export.Settings, evaluate.Settings,
+               evaluate_timing.Settings, disk_report.Settings]
+    for cls in classes:
+        with_default = [f.name for f in dataclasses.fields(cls)
+                        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not with_default, f"{cls.__module__}.{cls.__name__}: {with_default}"
+
+
+def test_train_settings_refuse_a_key_instead_of_dropping_it():
+    section = embedded_config()["train"] | {"learning_rte": 1.0e-3}
+    with pytest.raises(ValueError, match="learning_rte"):
+        train.TrainSettings.from_config(section)
+
+
+@pytest.mark.parametrize(("train_len", "effective"), [(None, 512), (256, 256)])
+def test_train_max_seq_len_follows_data_or_cuts_further(train_len, effective):
+    config = {"data": {"max_seq_len": 512}, "train": {"max_seq_len": train_len}}
+    workflow_config.link_max_seq_len(config)
+    assert config["train"]["max_seq_len"] == effective
+
+
+def test_train_max_seq_len_over_the_data_length_is_refused_naming_both_keys():
+    config = {"data": {"max_seq_len": 512}, "train": {"max_seq_len": 2048}}
+    with pytest.raises(ConfigError, match=r"train\.max_seq_len: 2048 .* data\.max_seq_len \(512\)"):
+        workflow_config.link_max_seq_len(config)
+
+
+def stage_imports(path: Path) -> set[str]:
+    """The stage modules `path` imports (at any depth: function-local imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "eagle3_pipeline.stages":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eagle3_pipeline.stages."):
+            found.add(node.module.rsplit(".", 1)[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.rsplit(".", 1)[1] for a in node.names if a.name.startswith("eagle3_pipeline.stages.")}
+    return found
+
+
+def test_no_stage_imports_another_stage():
+    crossings = {(path.stem, imported) for path in STAGES.glob("*.py") for imported in stage_imports(path)
+                 if imported != path.stem}
+    assert not crossings, sorted(crossings)
+
+
+def test_every_rule_script_is_a_short_adapter():
+    for script in (ROOT / "scripts").glob("*.py"):
+        code = [line for line in script.read_text().splitlines() if line.strip()]
+        assert len(code) <= 5 and f"stages import {script.stem}" in "\n".join(code), script.name
