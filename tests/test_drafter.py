@@ -21,14 +21,10 @@ from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.runtime import drafting
 from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import export
-from eagle3_pipeline.stages.train import (
-    TrainSettings,
-    data_error_line,
-    fingerprint_changes,
-    run_fingerprint,
-    summary,
-    train,
-)
+from eagle3_pipeline.stages.train import TrainSettings, data_error_line
+from eagle3_pipeline.training.loop import train
+from eagle3_pipeline.training.resume import fingerprint_changes, run_fingerprint
+from eagle3_pipeline.training.selection import summary
 from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
@@ -144,6 +140,11 @@ def test_step_metrics_on_a_hand_made_case():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     return tiny_target_with_store(tmp_path_factory.mktemp("tiny"))
+
+
+def schedule_settings(seed: int) -> TrainSettings:
+    return TrainSettings.from_config(schema_defaults("train") | {"batch_tokens": 8192, "pad_multiple": 64,
+                                                                 "max_seq_len": 2048, "seed": seed})
 
 
 def settings(**overrides) -> TrainSettings:
@@ -355,14 +356,14 @@ def test_the_batch_schedule_covers_each_epoch_once_within_the_budget_and_groups_
     than packing the shuffled order as it comes."""
     rng = np.random.default_rng(0)
     lengths = [np.clip(rng.lognormal(np.log(600), 0.9, size=n), 32, 2048).astype(np.int64) for n in (300, 100)]
-    settings = TrainSettings(batch_tokens=8192, pad_multiple=64, seed=3)
+    settings = schedule_settings(seed=3)
     batches = epoch_batches(lengths, settings, 0)
     items = [(s, j) for s in (0, 1) for j in range(len(lengths[s]))]
     assert sorted(item for batch in batches for item in batch) == items
     assert all(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) <= 8192 for batch in batches)
     assert epoch_batches(lengths, settings, 0) == batches
     assert epoch_batches(lengths, settings, 1) != batches
-    assert epoch_batches(lengths, TrainSettings(batch_tokens=8192, pad_multiple=64, seed=4), 0) != batches
+    assert epoch_batches(lengths, schedule_settings(seed=4), 0) != batches
 
     def real_share(packed: list[list[tuple[int, int]]]) -> float:
         slots = sum(len(batch) * max(padded_width(lengths[s][j], 64) for s, j in batch) for batch in packed)

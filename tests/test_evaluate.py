@@ -14,7 +14,8 @@ from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.stages import evaluate, evaluate_timing, export
-from eagle3_pipeline.stages.train import TrainSettings, train
+from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.workflow_config import schema_defaults
 
 from .tiny_models import tiny_target_with_store
