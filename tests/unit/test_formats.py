@@ -112,6 +112,17 @@ def test_hidden_store_round_trip_and_a_missing_shard_file(tmp_path):
         hidden_store.validate(path)
 
 
+def test_draft_vocab_identity_is_its_content_not_its_header_bytes(tmp_path):
+    vocab = draft_vocab.DraftVocab(np.array([1, 4, 7], np.int64), np.arange(10, dtype=np.int64))
+    paths = [tmp_path / f"vocab{i}.safetensors" for i in range(6)]
+    for path in paths:
+        draft_vocab.write(path, vocab)
+    assert len({draft_vocab.identity(path) for path in paths}) == 1  # whatever order the header keys took
+    other = tmp_path / "other.safetensors"
+    draft_vocab.write(other, draft_vocab.DraftVocab(np.array([1, 4, 8], np.int64), np.arange(10, dtype=np.int64)))
+    assert draft_vocab.identity(other) != draft_vocab.identity(paths[0])
+
+
 def test_draft_vocab_round_trip_and_inconsistent_tensors(tmp_path):
     vocab = draft_vocab.DraftVocab(np.array([1, 4, 7], np.int64), np.arange(10, dtype=np.int64))
     path = tmp_path / "draft_vocab.safetensors"

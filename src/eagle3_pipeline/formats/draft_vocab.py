@@ -9,6 +9,7 @@ Metadata (strings): draft_vocab_size, vocab_size, coverage (share of counted tok
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,16 @@ def write(path: Path, vocab: DraftVocab) -> None:
     metadata = {"draft_vocab_size": str(len(vocab.draft_ids)), "vocab_size": str(len(vocab.counts)),
                 "coverage": f"{vocab.coverage:.6f}"}
     save_file(tensors, str(path), metadata=metadata)
+
+
+def identity(path: Path) -> str:
+    """A hash of the file's tensors: what the vocab is. Not the file's bytes: safetensors writes the metadata
+    keys in a different order each time, so a rerun of the vocab rule would look like a new vocab."""
+    tensors = load_file(str(path))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + tensors[name].numpy().tobytes())
+    return digest.hexdigest()
 
 
 def read(path: Path) -> DraftVocab:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagle3_pipeline.drafter.model import Drafter
-from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, train_state
-from eagle3_pipeline.formats.target_dir import content_hash, file_sha256
+from eagle3_pipeline.formats import draft_vocab, drafter_weights, hidden_store, metrics, train_state
+from eagle3_pipeline.formats.target_dir import content_hash
 
 if TYPE_CHECKING:
     from eagle3_pipeline.stages.train import TrainSettings
@@ -51,7 +51,7 @@ def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path,
         "settings": {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED},
         "world_size": world_size,
         "stores": [{"name": Path(p).name, "identity": hidden_store.identity(p)} for p in store_paths],
-        "draft_vocab": file_sha256(Path(vocab_path)),
+        "draft_vocab": draft_vocab.identity(Path(vocab_path)),
         "target": content_hash(target_dir),  # hashed here for a hand-made target directory
     }
     return json.loads(json.dumps(fingerprint))  # as read back from the file (lists, not tuples)
