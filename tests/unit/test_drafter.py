@@ -27,8 +27,7 @@ from eagle3_pipeline.stages.train import (
     ttt_forward,
 )
 from eagle3_pipeline.stages.train_main import data_error_line
-
-from .tiny_models import tiny_target_with_store
+from tests.unit.conftest import tiny_target_with_store
 
 
 def tiny_config(**overrides) -> DrafterConfig:

@@ -12,8 +12,7 @@ from eagle3_pipeline.stages import evaluate, export
 from eagle3_pipeline.stages.evaluate import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.stages.train import TrainSettings, read_target_head, train
 from eagle3_pipeline.target import load_model
-
-from .tiny_models import tiny_target_with_store
+from tests.unit.conftest import tiny_target_with_store
 
 
 def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
