@@ -32,8 +32,9 @@ SAFETY_TIMEOUT_S = 3600.0
 
 # ---------------------------------------------------------------- the snakemake CLI
 
-def base_config(**sections) -> dict:
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) -> dict:
+    """`defaults` (the shipped config) with `sections` replacing its keys, one level deep."""
+    config = yaml.safe_load(Path(defaults).read_text())
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}

@@ -40,9 +40,14 @@ def tiny_data_config(tmp_path: Path, target_dir: Path, shards: int = 2, **data) 
 def tiny_run_config(tmp_path: Path, target_dir: Path) -> dict:
     """The whole pipeline, small enough for CPU: 2 shards, 2 TTT steps, one epoch, 2 prompts per set."""
     tiny_dataset(tmp_path / "chats.json")
-    return base_config(
+    return base_config(**tiny_run_sections(tmp_path / "chats.json", target_dir))
+
+
+def tiny_run_sections(chats: Path, target_dir: Path) -> dict:
+    """What `tiny_run_config` changes in the shipped config (tools/compare_artifacts.py runs it too)."""
+    return dict(
         run="tiny", target={"source": str(target_dir)},
-        data={"inputs": [str(tmp_path / "chats.json")], "num_shards": 2, "train_conversations": None,
+        data={"inputs": [str(chats)], "num_shards": 2, "train_conversations": None,
               "eval_conversations": 4, "max_seq_len": 128},
         vocab={"draft_vocab_size": 300},
         extract={"token_budget": 1024, "threads": 2},
