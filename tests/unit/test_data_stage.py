@@ -17,7 +17,7 @@ from eagle3_pipeline.tokenization import TokenizedConversation
 from tests.conftest import sharegpt_record, tiny_conversations
 
 LOG = logging.getLogger("test")
-LONG_REPLY = "word " * 400  # ~400 tokens: over max_seq_len below
+LONG_REPLY = "word " * 600  # ~600 tokens: over max_seq_len below
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def shards(tmp_path_factory) -> list[list[dict]]:
 
 
 def tokenize(shard: list[dict], tokenizer, target_dir, output):
-    return data.tokenize_shard(shard, tokenizer, target_dir, output, max_seq_len=128, overlength="drop",
+    return data.tokenize_shard(shard, tokenizer, target_dir, output, max_seq_len=256, overlength="drop",
                                end_of_turn=None, source_name="shard", log=LOG)
 
 
