@@ -30,27 +30,31 @@ def acceptance_by_position_from_steps(traces: list[dict], k: int) -> list[float]
     return rates
 
 
+def check_evaluation(evaluation: dict) -> None:
+    """tau and acceptance by position as the traces' tokens and per-step accepted counts give them."""
+    assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
+    traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
+    eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
+    assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
+        sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
+    for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
+        assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
+        assert trace["target_forwards"] == len(trace["accepted"])
+        # the prefill gives the first token, each verify step its accepted drafts and one target token;
+        # only the last step may be cut short (end of turn, max_new_tokens)
+        kept = [accepted + 1 for accepted in trace["accepted"]]
+        assert 1 + sum(kept[:-1]) < len(trace["tokens"]) <= 1 + sum(kept) if kept else len(trace["tokens"]) == 1
+    assert evaluation["summary"]["eagle3@k=2"]["acceptance_by_position"] == pytest.approx(
+        acceptance_by_position_from_steps(eagle3, 2))
+    assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+
+
 def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     config = tiny_run_config(tmp_path, target_dir)
     run_snakemake(tmp_path, config)
     results = tmp_path / "results" / "tiny"
     for prompt_set in ("mtbench-package", "held-out"):
-        evaluation = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())
-        assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
-        traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
-        eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
-        assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
-            sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
-        for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
-            assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
-            assert trace["target_forwards"] == len(trace["accepted"])
-            # the prefill gives the first token, each verify step its accepted drafts and one target token;
-            # only the last step may be cut short (end of turn, max_new_tokens)
-            kept = [accepted + 1 for accepted in trace["accepted"]]
-            assert 1 + sum(kept[:-1]) < len(trace["tokens"]) <= 1 + sum(kept) if kept else len(trace["tokens"]) == 1
-        assert evaluation["summary"]["eagle3@k=2"]["acceptance_by_position"] == pytest.approx(
-            acceptance_by_position_from_steps(eagle3, 2))
-        assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+        check_evaluation(json.loads((results / "evaluation" / f"{prompt_set}.json").read_text()))
     timing = json.loads((results / "timing" / "timing.json").read_text())
     assert timing["pass"] == "timing" and set(timing["sets"]) == {"mtbench-package", "held-out"}
     assert set(timing["sets"]["held-out"]) == {"target", "eagle3@k=2", "prompt-lookup@k=2"}
