@@ -12,6 +12,7 @@ JSON, YAML and CSV equal apart from timing fields (seconds, tokens/s, speedups, 
 difference or any artifact only one side wrote.
 
     .venv/bin/python tools/compare_artifacts.py BASE [HEAD] [--keep DIR]
+    .venv/bin/python tools/compare_artifacts.py --results BASE_RESULTS HEAD_RESULTS   (compare kept runs again)
 """
 
 from __future__ import annotations
@@ -138,14 +139,14 @@ def structured(path: Path) -> Any:
 def compare_file(a: Path, b: Path, bytes_only: bool, dropped: set[str]) -> tuple[str | None, str]:
     """(difference or None, how they were found equal)."""
     if a.read_bytes() == b.read_bytes():
-        return None, "bytes"
+        return None, "byte-identical"
     if bytes_only:
         return f"{a.name}: bytes differ", ""
     values = structured(a)
     if values is None:
         return f"{a.name}: bytes differ", ""
     difference = first_difference(without_timing(values, dropped), without_timing(structured(b), dropped))
-    how = "torch.equal" if a.suffix in (".safetensors", ".pt") else "apart from timing"
+    how = "torch.equal" if a.suffix in (".safetensors", ".pt") else "equal apart from timing"
     return (f"{a.name}{difference}" if difference else None), how
 
 
@@ -158,20 +159,29 @@ def compare_artifact(a: Path, b: Path, stage: str) -> tuple[str | None, str]:
     ways: dict[str, int] = {}
     dropped: set[str] = set()
     for relative in sorted(files_a):
+        if relative.suffix == ".log":  # a job's log kept beside its state: timings and paths, not results
+            ways["skipped (log)"] = ways.get("skipped (log)", 0) + 1
+            continue
         chunk = "c" in relative.parts  # a zarr chunk file (arrays/<name>/c/...)
         bytes_only = stage in BYTE_IDENTICAL_STAGES or (stage == "hidden" and chunk)
         difference, how = compare_file(a / relative, b / relative, bytes_only, dropped)
         if difference:
             return (difference if relative == Path() else f"{relative.parent}/{difference}"), ""
         ways[how] = ways.get(how, 0) + 1
-    summary = ", ".join(f"{count} file{'s' * (count > 1)} {how}" for how, count in sorted(ways.items()))
+    summary = ", ".join(f"{how} ({count} file{'s' * (count > 1)})" for how, count in sorted(ways.items()))
     return None, summary + (f" (ignored: {', '.join(sorted(dropped))})" if dropped else "")
 
 
 def artifacts(results: Path) -> set[Path]:
-    """results/<run>/<stage>/<name> for every run and stage (a zarr store or a directory counts as one)."""
-    return {p.relative_to(results) for run in results.iterdir() for stage in run.iterdir() if stage.is_dir()
-            for p in stage.iterdir() if not p.name.endswith(".partial")}
+    """results/<run>/<stage>/<name> for every run and stage; a zarr store, a directory and a stage that is one
+    directory output (the target copy) each count as one."""
+    found = set()
+    for stage in (stage for run in results.iterdir() for stage in run.iterdir() if stage.is_dir()):
+        if (stage / ".snakemake_timestamp").exists():
+            found.add(stage.relative_to(results))
+        else:
+            found |= {p.relative_to(results) for p in stage.iterdir() if not p.name.endswith(".partial")}
+    return found
 
 
 def compare(base: Path, head: Path) -> int:
@@ -193,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base", help="the commit before the change, e.g. 19445b5")
     parser.add_argument("head", nargs="?", default="HEAD", help="the commit after it (default: HEAD)")
     parser.add_argument("--keep", type=Path, help="move both runs' clones and results here instead of deleting")
+    parser.add_argument("--results", action="store_true",
+                        help="BASE and HEAD are results/ directories of earlier runs (e.g. kept): only compare")
     args = parser.parse_args(argv)
+    if args.results:
+        differences = compare(Path(args.base), Path(args.head))
+        print(f"{differences} artifact(s) differ" if differences else "all artifacts equal")
+        return 1 if differences else 0
     scratch = Path(tempfile.mkdtemp(prefix="compare-artifacts-"))
     runs = {}
     try:
