@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check src scripts tests benchmarks
+	$(BIN)/ruff check src scripts tests benchmarks tools
 	# Shown, not fatal: per-rule conda environments (envs/) are not written yet.
 	-$(BIN)/snakemake --lint
 

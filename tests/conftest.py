@@ -1,5 +1,10 @@
-"""Shared fixtures: the real SmolLM2 target (materialised once by the real `target` rule) and a
-helper that runs the real snakemake CLI on a config in a temporary directory."""
+"""What tests of both kinds share: the real snakemake CLI runner, the real SmolLM2 target (materialised once by
+the real `target` rule), waiting on a run's own events, tiny conversations and target configs, a zarr chunk
+corrupter and an HTTP server answering like stock SGLang.
+
+Layout: `tests/unit/` tests library code directly; `tests/workflow/` drives the real `snakemake` CLI (and
+checks the workflow's own files). Helpers live in the conftest files (this one, `tests/unit/conftest.py`,
+`tests/workflow/conftest.py`); a test module imports from them, never from another test module."""
 
 from __future__ import annotations
 
@@ -7,18 +12,29 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 DATA = Path(__file__).parent / "data"
+# Only a hung run gets here: tests wait on events (a journal line, a checkpoint, a finished shard), so a slow
+# machine just waits longer. It exists so that a hang fails naming the event instead of blocking CI forever.
+SAFETY_TIMEOUT_S = 3600.0
 
 
-def base_config(**sections) -> dict:
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+# ---------------------------------------------------------------- the snakemake CLI
+
+def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) -> dict:
+    """`defaults` (the shipped config) with `sections` replacing its keys, one level deep."""
+    config = yaml.safe_load(Path(defaults).read_text())
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
@@ -44,6 +60,18 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -
     return result
 
 
+def wait_for_event(event: str, happened: Callable[[], bool], process: subprocess.Popen | None = None) -> None:
+    """Return once `happened()` is true or `process` has ended (the caller checks which); fail naming `event`
+    when neither comes within SAFETY_TIMEOUT_S."""
+    started = time.monotonic()
+    while not happened():
+        if process is not None and process.poll() is not None:
+            return
+        if time.monotonic() - started > SAFETY_TIMEOUT_S:
+            raise AssertionError(f"{event}: not seen after {SAFETY_TIMEOUT_S:.0f} s (safety timeout; the run hangs)")
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory, produced by the real `target` rule from the GGUF."""
@@ -62,18 +90,10 @@ def smollm2_tokenizer(target_dir):
     return AutoTokenizer.from_pretrained(str(target_dir))
 
 
+# ---------------------------------------------------------------- tiny inputs
+
 def sharegpt_record(record_id: str, turns: list[tuple[str, object]]) -> dict:
     return {"id": record_id, "conversations": [{"from": role, "value": value} for role, value in turns]}
-
-
-def send_json(handler, code: int, payload) -> None:
-    """Answer a request of a test HTTP server (BaseHTTPRequestHandler) with a JSON body."""
-    data = json.dumps(payload).encode()
-    handler.send_response(code)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 def tiny_conversations(count: int, seed: int = 0) -> list[dict]:
@@ -93,3 +113,143 @@ def tiny_conversations(count: int, seed: int = 0) -> list[dict]:
             turns.append(("gpt", f"Here is answer {turn} about {topic}: it is interesting ({i})."))
         records.append(sharegpt_record(f"conv{i}", turns))
     return records
+
+
+TINY_FAMILY_SIZES = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "rms_norm_eps": 1e-6}
+
+
+def tiny_family_config(family: str, **sizes):
+    """A tiny transformers config of each family, with the family's distinctive settings (head_dim, rope, MoE,
+    biases)."""
+    import transformers
+
+    tiny = {**TINY_FAMILY_SIZES, **sizes}
+    if family == "llama3":
+        return transformers.LlamaConfig(**tiny, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "qwen2":  # q/k/v biases in the target
+        return transformers.Qwen2Config(**tiny, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if family == "qwen3":  # head_dim != hidden / heads; YaRN as Qwen3's long-context configs set it
+        return transformers.Qwen3Config(**tiny, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128})
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**tiny, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16)
+    if family == "mistral":
+        return transformers.MistralConfig(**tiny, head_dim=16, sliding_window=64)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**tiny, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**tiny, head_dim=16)
+    if family == "gemma3":  # per-layer-type rope; the global layers' linear scaling as in Gemma 3 4B+
+        return transformers.Gemma3TextConfig(
+            **tiny, head_dim=16, sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * (tiny["num_hidden_layers"] // 2),
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
+    if family == "phi3":
+        return transformers.Phi3Config(**tiny)
+    raise ValueError(family)
+
+
+def flip_bytes_inside_a_chunk(array_dir: Path, shard: int, chunks_per_shard: int, chunk_in_file: int | None = None,
+                              count: int = 64) -> int:
+    """Invert `count` bytes in the middle of a stored chunk of zarr shard file `shard` (by default the chunk
+    holding the file's middle byte); returns that chunk's index in the array."""
+    file = next(f for f in (array_dir / "c" / str(shard)).rglob("*") if f.is_file())
+    data = bytearray(file.read_bytes())
+    index = np.frombuffer(bytes(data[-4 - 16 * chunks_per_shard: -4]), dtype="<u8").reshape(-1, 2)
+    if chunk_in_file is None:
+        chunk_in_file = next(c for c, (offset, size) in enumerate(index) if offset <= len(data) // 2 < offset + size)
+    offset, size = (int(v) for v in index[chunk_in_file])
+    assert size > 2 * count
+    middle = offset + size // 2 - count // 2
+    data[middle: middle + count] = bytes(b ^ 0xFF for b in data[middle: middle + count])
+    file.write_bytes(bytes(data))
+    return shard * chunks_per_shard + chunk_in_file
+
+
+# ---------------------------------------------------------------- HTTP servers
+
+def send_json(handler, code: int, payload) -> None:
+    """Answer a request of a test HTTP server (BaseHTTPRequestHandler) with a JSON body."""
+    data = json.dumps(payload).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def sglang_server_info(kind: str, **changes) -> dict:
+    """`/get_server_info` of a stock SGLang server (tests/data/sglang/), `kind` "aux" or "final"."""
+    info = json.loads((DATA / "sglang" / f"server_info_{kind}.json").read_text())
+    info.pop("_comment")
+    return {**info, **changes}
+
+
+class RecordedSGLang:
+    """An HTTP server answering like stock SGLang (the shapes in tests/data/sglang/), with states computed by the
+    real HF model the way SGLang computes them: the aux server captures the input of decoder block `id + 1`
+    (= HF index `id + 1`) for each SGLang layer id, the final server returns the state after the final norm.
+    `final="pre_norm"` plays a final server that returns the last block's raw output instead."""
+
+    def __init__(self, model, info: dict, sglang_layer_ids: list[int] | None = None, final: str = "post_norm"):
+        self.requests = 0
+        states = self.states_function(model, sglang_layer_ids, final)
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/get_server_info":
+                    return send_json(self, 200, info)
+                self.send_error(404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests += 1
+                assert body["return_hidden_states"] is True and body["sampling_params"]["max_new_tokens"] == 1
+                items = [{"text": "x", "meta_info": {"id": str(i), "prompt_tokens": len(ids), "completion_tokens": 1,
+                                                     "cached_tokens": 0, "finish_reason": {"type": "length"},
+                                                     "hidden_states": [states(ids), [0.0]]}}
+                         for i, ids in enumerate(body["input_ids"])]
+                send_json(self, 200, items)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def states_function(model, sglang_layer_ids: list[int] | None, final: str) -> Callable[[list[int]], list]:
+        import torch
+
+        from eagle3_pipeline.stages import parity
+
+        def states(ids: list[int]) -> list:
+            reference = parity.reference_states(model, [np.asarray(ids)])
+            layers = reference.layers[0]
+            if sglang_layer_ids is not None:
+                rows = torch.cat([layers[i + 1] for i in sglang_layer_ids], dim=-1)
+            elif final == "post_norm":
+                rows = reference.post_norm[0]
+            else:
+                rows = layers[-1]
+            return rows.to(torch.bfloat16).float().tolist()
+
+        return states
+
+    def close(self):
+        self.server.shutdown()
+
+
+def sglang_servers(model, aux_ids, final="post_norm", aux_info=None, final_info=None):
+    """The aux and final SGLang servers the SGLang backend talks to."""
+    aux = RecordedSGLang(model, aux_info or sglang_server_info("aux"), sglang_layer_ids=aux_ids)
+    last = RecordedSGLang(model, final_info or sglang_server_info("final"), final=final)
+    return aux, last

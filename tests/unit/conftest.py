@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama targets built in memory (for hook/parity and model tests)."""
+"""Helpers of the unit tests: tiny random-weight Llama targets built in memory (for hook/parity and model tests)
+and a real target directory with a token shard, its hidden-state store and a draft vocab."""
 
 from __future__ import annotations
 

@@ -5,38 +5,48 @@ from __future__ import annotations
 import base64
 import csv
 import json
-import os
 import re
-import signal
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from eagle3_pipeline.formats import journal, token_shards
-
-from .conftest import base_config, run_snakemake, snakemake_command
-from .test_workflow_data import tiny_dataset
+from eagle3_pipeline.formats import token_shards
+from tests.conftest import run_snakemake
+from tests.workflow.conftest import journal_records, kill_when, start_snakemake, tiny_run_config
 
 pytestmark = pytest.mark.workflow
 
 
-def tiny_run_config(tmp_path, target_dir) -> dict:
-    tiny_dataset(tmp_path / "chats.json")
-    return base_config(
-        run="tiny", target={"source": str(target_dir)},
-        data={"inputs": [str(tmp_path / "chats.json")], "num_shards": 2, "train_conversations": None,
-              "eval_conversations": 4, "max_seq_len": 128},
-        vocab={"draft_vocab_size": 300},
-        extract={"token_budget": 1024, "threads": 2},
-        train={"ttt_steps": 2, "epochs": 1, "batch_tokens": 512, "max_seq_len": 128, "warmup_steps": 1,
-               "checkpoint_every": 5, "log_every": 1, "num_workers": 0, "threads": 2},
-        evaluate={"prompts": ["mtbench-package", "held-out"], "max_prompts": 2, "max_new_tokens": 6,
-                  "draft_lengths": [2], "device": "cpu", "workers": 2,
-                  "timing": {"prompts": 1, "max_new_tokens": 6}})
+def acceptance_by_position_from_steps(traces: list[dict], k: int) -> list[float]:
+    """P(draft i accepted | drafts 1..i-1 accepted), counted from each verify step's accepted and drafted counts."""
+    steps = [(accepted, drafted) for t in traces for accepted, drafted in zip(t["accepted"], t["drafted"], strict=True)]
+    rates = []
+    for i in range(1, k + 1):
+        reached = [accepted for accepted, drafted in steps if accepted >= i - 1 and drafted >= i]
+        rates.append(sum(accepted >= i for accepted in reached) / len(reached) if reached else 0.0)
+    return rates
+
+
+def check_evaluation(evaluation: dict) -> None:
+    """tau and acceptance by position as the traces' tokens and per-step accepted counts give them."""
+    assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
+    traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
+    eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
+    assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
+        sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
+    for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
+        assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
+        assert trace["target_forwards"] == len(trace["accepted"])
+        # the prefill gives the first token, each verify step its accepted drafts and one target token;
+        # only the last step may be cut short (end of turn, max_new_tokens)
+        kept = [accepted + 1 for accepted in trace["accepted"]]
+        assert 1 + sum(kept[:-1]) < len(trace["tokens"]) <= 1 + sum(kept) if kept else len(trace["tokens"]) == 1
+    assert evaluation["summary"]["eagle3@k=2"]["acceptance_by_position"] == pytest.approx(
+        acceptance_by_position_from_steps(eagle3, 2))
+    assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
 
 
 def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
@@ -44,16 +54,7 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     run_snakemake(tmp_path, config)
     results = tmp_path / "results" / "tiny"
     for prompt_set in ("mtbench-package", "held-out"):
-        evaluation = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())
-        assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
-        traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
-        eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
-        assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
-            sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
-        for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
-            assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
-            assert trace["target_forwards"] == len(trace["accepted"])
-        assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+        check_evaluation(json.loads((results / "evaluation" / f"{prompt_set}.json").read_text()))
     timing = json.loads((results / "timing" / "timing.json").read_text())
     assert timing["pass"] == "timing" and set(timing["sets"]) == {"mtbench-package", "held-out"}
     assert set(timing["sets"]["held-out"]) == {"target", "eagle3@k=2", "prompt-lookup@k=2"}
@@ -105,7 +106,7 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
 
 
 def finished_prompts(progress) -> int:
-    return sum(len(journal.read_intact(part)[0]) for part in progress.glob("*.jsonl"))
+    return sum(len(journal_records(part)) for part in progress.glob("*.jsonl"))
 
 
 def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, target_dir):
@@ -115,15 +116,10 @@ def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, targ
     run_snakemake(tmp_path, config, "results/tiny/serving/drafter")
     output = tmp_path / "results" / "tiny" / "evaluation" / "mtbench-package.json"
     progress = output.with_name(output.name + ".progress")
-    process = subprocess.Popen(snakemake_command(tmp_path, config, str(output.relative_to(tmp_path))),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    # Wait on events, not on a clock: the kill lands once two prompts are in the journal (or the run ended).
-    while process.poll() is None and finished_prompts(progress) < 2:
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process = start_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))
+    kill_when(process, "two decoded prompts in the evaluation journal", lambda: finished_prompts(progress) >= 2)
     before = {record["prompt_id"]: record["traces"]
-              for part in progress.glob("*.jsonl") for record in journal.read_intact(part)[0]}
+              for part in progress.glob("*.jsonl") for record in journal_records(part)}
     assert 2 <= len(before) < 5 and not output.exists(), "the kill did not land during the evaluation"
     run_snakemake(tmp_path, config, "--unlock")
     run_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))

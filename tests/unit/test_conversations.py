@@ -5,8 +5,7 @@ import pytest
 from eagle3_pipeline import conversations
 from eagle3_pipeline.conversations import IngestError, ingest, split
 from eagle3_pipeline.formats import conversation_shards
-
-from .conftest import sharegpt_record, tiny_conversations
+from tests.conftest import sharegpt_record, tiny_conversations
 
 
 def write_array(path, records, cut_bytes: int = 0):

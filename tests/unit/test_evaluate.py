@@ -17,8 +17,7 @@ from eagle3_pipeline.stages import evaluate, evaluate_timing, export
 from eagle3_pipeline.stages.train import TrainSettings
 from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.workflow_config import schema_defaults
-
-from .tiny_models import tiny_target_with_store
+from tests.unit.conftest import tiny_target_with_store
 
 
 def test_tau_and_acceptance_by_position_on_a_hand_made_trace():

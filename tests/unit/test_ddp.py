@@ -10,8 +10,8 @@ import pytest
 
 from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.workflow_config import schema_defaults
-
-from .tiny_models import tiny_target_with_store
+from tests.conftest import SAFETY_TIMEOUT_S
+from tests.unit.conftest import tiny_target_with_store
 
 
 @pytest.mark.slow
@@ -26,7 +26,8 @@ def test_torchrun_two_processes_trains_and_writes_one_result(tmp_path):
             "summary": str(tmp_path / "summary.json"), "log": str(tmp_path / "train.log")}
     (tmp_path / "args.json").write_text(json.dumps(args))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "eagle3_pipeline.stages.train", str(tmp_path / "args.json")], check=True, timeout=600)
+                    "-m", "eagle3_pipeline.stages.train", str(tmp_path / "args.json")], check=True,
+                   timeout=SAFETY_TIMEOUT_S)  # waits for torchrun to end; the timeout only catches a hang
     rows = read_metrics(tmp_path / "state" / "metrics.csv")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "over 2 GPUs/processes" in (tmp_path / "train.log").read_text()

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from .conftest import base_config, run_snakemake, send_json, snakemake_command, tiny_conversations
+from tests.conftest import base_config, run_snakemake, send_json, snakemake_command, tiny_conversations
 
 pytestmark = pytest.mark.workflow
 

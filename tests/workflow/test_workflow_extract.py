@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
 from eagle3_pipeline.formats import hidden_store, zarr_io
-
-from .conftest import base_config, run_snakemake, snakemake_command
-from .test_workflow_data import tiny_dataset
+from tests.conftest import base_config, run_snakemake
+from tests.workflow.conftest import incomplete_marker, json_file, kill_when, start_snakemake, tiny_dataset
 
 pytestmark = pytest.mark.workflow
 STORES = ["results/tiny/hidden/shard-00000.zarr", "results/tiny/hidden/shard-00001.zarr"]
@@ -30,10 +24,6 @@ def extract_config(workdir, target_dir, **plan):
         vocab={"draft_vocab_size": 500},
         extract={"token_budget": 256, "store_shard_mb": 1, "threads": 1, "writer_threads": 2},
         plan={"expected_compression": 1.4, "allow_exceeding_free_space": False, **plan})
-
-
-def marker(workdir, output):
-    return workdir / ".snakemake" / "incomplete" / base64.b64encode(output.encode()).decode()
 
 
 def test_dry_run_prints_the_disk_plan_estimate_then_exact(tmp_path, target_dir):
@@ -55,23 +45,24 @@ def test_killed_extraction_resumes_and_matches_an_uninterrupted_run(tmp_path, ta
     clean.mkdir()
     config = extract_config(interrupted, target_dir)
     run_snakemake(interrupted, config, *[s.replace("hidden", "tokens") for s in STORES])
-    process = subprocess.Popen(snakemake_command(interrupted, config, "--cores", "1", *STORES),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    first_done, partial_progress = None, None
-    # wait on the run's own events (or its end), never on a clock: slow machines only take longer
-    while process.poll() is None and partial_progress is None:
-        done = [s for s in STORES if (interrupted / s).exists() and not marker(interrupted, s).exists()]
-        if done and first_done is None:
-            first_done = done[0]
-        if first_done:
-            other = next(s for s in STORES if s != first_done)
-            progress = interrupted / (other + ".partial") / "progress.json"
-            if progress.exists() and json.loads(progress.read_text())["rows_written"] > 0:
-                partial_progress = json.loads(progress.read_text())["rows_written"]
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert first_done and partial_progress, "did not catch the run between shards"
+    process = start_snakemake(interrupted, config, "--cores", "1", *STORES)
+    caught: dict[str, object] = {}
+
+    def one_store_done_and_the_other_partly_written() -> bool:
+        done = [s for s in STORES if (interrupted / s).exists() and not incomplete_marker(interrupted, s).exists()]
+        if done:
+            caught.setdefault("first_done", done[0])
+        if "first_done" in caught:
+            other = next(s for s in STORES if s != caught["first_done"])
+            progress = json_file(interrupted / (other + ".partial") / "progress.json")
+            if progress and progress["rows_written"] > 0:
+                caught["partial_progress"] = progress["rows_written"]
+        return "partial_progress" in caught
+
+    kill_when(process, "one finished store and rows written to the other",
+              one_store_done_and_the_other_partly_written)
+    first_done = caught.get("first_done")
+    assert first_done and caught.get("partial_progress"), "did not catch the run between shards"
     other = next(s for s in STORES if s != first_done)
     assert not (interrupted / other).exists()
     finished_files = {f: f.stat().st_mtime_ns for f in (interrupted / first_done).rglob("*") if f.is_file()}

@@ -14,43 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, UnsupportedTarget
 from eagle3_pipeline.families import target_support_problem
 from eagle3_pipeline.stages import export
-
-TINY = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "rms_norm_eps": 1e-6}
-
-
-def tiny_config(family: str, **sizes) -> transformers.PretrainedConfig:
-    """A tiny config of each family, with the family's distinctive settings (head_dim, rope, MoE, biases)."""
-    tiny = {**TINY, **sizes}
-    if family == "llama3":
-        return transformers.LlamaConfig(**tiny, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    if family == "qwen2":  # q/k/v biases in the target
-        return transformers.Qwen2Config(**tiny, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    if family == "qwen3":  # head_dim != hidden / heads; YaRN as Qwen3's long-context configs set it
-        return transformers.Qwen3Config(**tiny, head_dim=16, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128})
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**tiny, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=16)
-    if family == "mistral":
-        return transformers.MistralConfig(**tiny, head_dim=16, sliding_window=64)
-    if family == "mixtral":
-        return transformers.MixtralConfig(**tiny, num_local_experts=4, num_experts_per_tok=2)
-    if family == "gemma2":
-        return transformers.Gemma2Config(**tiny, head_dim=16)
-    if family == "gemma3":  # per-layer-type rope; the global layers' linear scaling as in Gemma 3 4B+
-        return transformers.Gemma3TextConfig(
-            **tiny, head_dim=16, sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"] * (tiny["num_hidden_layers"] // 2),
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
-    if family == "phi3":
-        return transformers.Phi3Config(**tiny)
-    raise ValueError(family)
-
+from tests.conftest import TINY_FAMILY_SIZES as TINY
+from tests.conftest import tiny_family_config
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3", "phi3"]
 
@@ -65,7 +30,7 @@ def target_cos_sin(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("family", FAMILIES)
 def test_drafter_follows_each_family(family):
     torch.manual_seed(0)
-    config = tiny_config(family)
+    config = tiny_family_config(family)
     target = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert target_support_problem(config.to_dict()) is None
     drafter_config = DrafterConfig.from_target(config, draft_vocab_size=100, aux_layer_ids=[1, 2, 2])

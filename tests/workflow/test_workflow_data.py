@@ -2,45 +2,26 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
 from eagle3_pipeline.formats import conversation_shards, draft_vocab, journal, token_shards
-
-from .conftest import base_config, run_snakemake, sharegpt_record, snakemake_command, tiny_conversations
+from tests.conftest import base_config, run_snakemake
+from tests.workflow.conftest import (
+    incomplete_marker,
+    journal_records,
+    kill_when,
+    start_snakemake,
+    tiny_data_config,
+)
 
 pytestmark = pytest.mark.workflow
 
 
-def tiny_dataset(path, count=40):
-    """A ShareGPT-shaped file with bad records and a truncated tail, like the real package."""
-    records = tiny_conversations(count)
-    records.insert(3, sharegpt_record("empty", []))
-    records.insert(7, sharegpt_record("only_gpt", [("gpt", "hello"), ("gpt", "again")]))
-    records.insert(9, sharegpt_record("tool", [("human", "q"), ("function", "x"), ("gpt", "r")]))
-    text = json.dumps(records, indent=2)
-    path.write_text(text[: len(text) - 80])  # truncated inside the last record
-    return count - 1  # conversations that must survive
-
-
-def tiny_config(tmp_path, target_dir, shards=2, **data):
-    expected = tiny_dataset(tmp_path / "chats.json")
-    config = base_config(run="tiny", target={"source": str(target_dir)},
-                         data={"inputs": [str(tmp_path / "chats.json")], "num_shards": shards,
-                               "train_conversations": None, "eval_conversations": 4, "max_seq_len": 256, **data},
-                         vocab={"draft_vocab_size": 500})
-    return config, expected
-
-
 def test_data_stage_end_to_end(tmp_path, target_dir):
-    config, expected = tiny_config(tmp_path, target_dir)
+    config, expected = tiny_data_config(tmp_path, target_dir)
     run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors")
     results = tmp_path / "results" / "tiny"
     report = json.loads((results / "conversations" / "ingest_report.json").read_text())
@@ -65,26 +46,16 @@ def test_data_stage_end_to_end(tmp_path, target_dir):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
-def incomplete_marker(workdir, output: str):
-    return workdir / ".snakemake" / "incomplete" / base64.b64encode(output.encode()).decode()
-
-
 def test_killed_run_resumes_without_rewriting_finished_shards(tmp_path, target_dir):
-    config, _ = tiny_config(tmp_path, target_dir, shards=3)
+    config, _ = tiny_data_config(tmp_path, target_dir, shards=3)
     run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
-    command = snakemake_command(tmp_path, config, "--cores", "1", "results/tiny/vocab/draft_vocab.safetensors")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    process = start_snakemake(tmp_path, config, "--cores", "1", "results/tiny/vocab/draft_vocab.safetensors")
     tokens = tmp_path / "results" / "tiny" / "tokens"
 
     def finished_shards():
         return [p for p in tokens.glob("shard-*.zarr")
                 if not incomplete_marker(tmp_path, f"results/tiny/tokens/{p.name}").exists()]
-    # wait on the run's own events (or its end), never on a clock: slow machines only take longer
-    while process.poll() is None and not finished_shards():
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_when(process, "a finished token shard", lambda: bool(finished_shards()))
     finished = {p.name: p.stat().st_mtime_ns for p in finished_shards()}
     assert finished, "no shard finished before the kill"
     assert len(finished) < 3, "the run finished before it was killed; the test proves nothing"
@@ -114,7 +85,7 @@ def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, override, mess
 
 def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
     """Decode each sequence's masked tokens: they are the assistant replies of that conversation."""
-    config, _ = tiny_config(tmp_path, target_dir, shards=2)
+    config, _ = tiny_data_config(tmp_path, target_dir, shards=2)
     run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00001.zarr")
     from eagle3_pipeline.runtime.loading import load_tokenizer
 
@@ -131,19 +102,15 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
 
 
 def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, target_dir):
-    config, expected = tiny_config(tmp_path, target_dir, shards=2, train_conversations=16)
+    config, expected = tiny_data_config(tmp_path, target_dir, shards=2, train_conversations=16)
     config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 12, "batch_size": 1,
                             "device": "cpu", "dtype": "float32"}  # 4 conversations in progress at a time
     results = tmp_path / "results" / "tiny"
     run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
     progress = results / "regenerated" / "shard-00000.jsonl.progress.jsonl"
-    process = subprocess.Popen(snakemake_command(tmp_path, config, "results/tiny/regenerated/shard-00000.jsonl"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    # wait on the run's own events (or its end), never on a clock: slow machines only take longer
-    while process.poll() is None and (not progress.exists() or len(progress.read_text().splitlines()) < 3):
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process = start_snakemake(tmp_path, config, "results/tiny/regenerated/shard-00000.jsonl")
+    kill_when(process, "two regenerated conversations in the progress journal",
+              lambda: len(journal_records(progress)) >= 3)  # the fingerprint line first
     finished_before = journal.read_intact(progress)[0][1:]  # after the fingerprint line
     assert 2 <= len(finished_before) < 8, "the kill did not land while the shard was being regenerated"
     run_snakemake(tmp_path, config, "--unlock")

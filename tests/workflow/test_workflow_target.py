@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .conftest import base_config, run_snakemake
+from tests.conftest import base_config, run_snakemake
 
 pytestmark = pytest.mark.workflow
 

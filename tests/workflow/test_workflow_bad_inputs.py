@@ -13,8 +13,7 @@ import pytest
 
 from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.tokenization import BUILTIN_CHAT_TEMPLATES
-
-from .conftest import base_config, run_snakemake, snakemake_command, tiny_conversations
+from tests.conftest import base_config, run_snakemake, snakemake_command, tiny_conversations
 
 pytestmark = pytest.mark.workflow
 SNAKEMAKE_HEADER = ("Using workflow specific profile", "Config file ")

@@ -26,7 +26,7 @@ from eagle3_pipeline.stages import (
 )
 from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = ROOT / "src" / "eagle3_pipeline" / "stages"
 # Artifact readers that still live in the train stage; they move to formats/ (issue 14, the FMT part).
 def embedded_config() -> dict:

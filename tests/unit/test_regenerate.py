@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -22,8 +21,7 @@ from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 from eagle3_pipeline.workflow_config import schema_defaults
-
-from .conftest import send_json
+from tests.conftest import SAFETY_TIMEOUT_S, send_json, wait_for_event
 
 LOG = logging.getLogger("test")
 
@@ -113,11 +111,13 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
 
 class FlakyChatServer:
     """A real HTTP server speaking the chat-completions shape: fails the first `failures` requests with 503,
-    answers 400 to any conversation that says REJECT, loops when asked to LOOP, and echoes otherwise."""
+    answers 400 to any conversation that says REJECT, loops when asked to LOOP, and echoes otherwise. With
+    `silent`, it answers nothing until it is closed (a hung server, whatever the machine's speed)."""
 
-    def __init__(self, failures: int = 0, delay_s: float = 0.0):
+    def __init__(self, failures: int = 0, silent: bool = False):
         self.requests: list[dict] = []
         self.failed = 0
+        self.closing = threading.Event()
         lock = threading.Lock()
         owner = self
 
@@ -127,7 +127,9 @@ class FlakyChatServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                time.sleep(delay_s)
+                if silent:
+                    owner.closing.wait()
+                    return
                 last = body["messages"][-1]["content"]
                 with lock:
                     owner.requests.append(body)
@@ -147,6 +149,7 @@ class FlakyChatServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
+        self.closing.set()
         self.server.shutdown()
 
 
@@ -187,7 +190,7 @@ def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_p
 
 
 def test_server_engine_times_out(tmp_path):
-    server = FlakyChatServer(delay_s=2.0)
+    server = FlakyChatServer(silent=True)
     try:
         chosen = settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
         engine = regenerate.OpenAIEngine(chosen, LOG)
@@ -237,6 +240,14 @@ def test_looping_replies_are_counted_and_optionally_cut(tmp_path, caplog, drop):
     assert "repeat over 30 % of their word 4-grams" in caplog.text
 
 
+def answers(port: int) -> bool:
+    try:  # refused at once until the server listens; the timeout only guards against a hung one
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=SAFETY_TIMEOUT_S)
+        return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -252,19 +263,15 @@ def test_against_a_real_llama_cpp_server(tmp_path, target_dir):
                                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_for_event(f"llama.cpp server answering on port {port}", lambda: answers(port), server)
+        assert server.poll() is None, "the llama.cpp server exited before it answered"
         shard = tmp_path / "shard.jsonl"
         conversation_shards.write(shard, CHATS)
         chosen = settings(engine="openai", url=f"http://127.0.0.1:{port}", concurrency=2, max_new_tokens=16)
         summary = regenerate.run_shard(shard, tmp_path / "out.jsonl", target_dir, chosen, LOG)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.kill()
+        server.wait()
     result = conversation_shards.read(tmp_path / "out.jsonl")
     assert summary["kept"] == 3 and summary["replies"] == 5
     assert all(m["content"] for c in result for m in c["messages"])

@@ -11,9 +11,8 @@ import pytest
 import torch
 import transformers
 
-from .conftest import base_config, run_snakemake
-from .test_families import tiny_config
-from .test_workflow_data import tiny_dataset
+from tests.conftest import base_config, run_snakemake, tiny_family_config
+from tests.workflow.conftest import tiny_dataset
 
 pytestmark = pytest.mark.workflow
 MODEL_FILES = ("config.json", "generation_config.json", "identity.json")
@@ -25,7 +24,7 @@ def tiny_family_target(path, family: str, smollm2_dir) -> None:
     for file in smollm2_dir.iterdir():
         if file.is_file() and file.suffix != ".safetensors" and file.name not in MODEL_FILES:
             shutil.copy(file, path / file.name)
-    config = tiny_config(family, vocab_size=49152, hidden_size=64, num_hidden_layers=6)
+    config = tiny_family_config(family, vocab_size=49152, hidden_size=64, num_hidden_layers=6)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # a confident teacher, like a real LM (random init is near uniform)

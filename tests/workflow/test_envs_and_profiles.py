@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import REPO, SNAKEMAKE
+from tests.conftest import REPO, SNAKEMAKE
 
 
 def pip_requirements(env_file: Path) -> list[str]:

@@ -15,8 +15,8 @@ from eagle3_pipeline.runtime.backends import BackendInfo, check_aux_layer_ids, d
 from eagle3_pipeline.runtime.backends.hf import HFBackend
 from eagle3_pipeline.stages.extract import NonFiniteActivations, extract_shard, plan_batches, storage_order
 from eagle3_pipeline.tokenization import TokenizedConversation
-
-from .tiny_models import tiny_llama
+from tests.conftest import flip_bytes_inside_a_chunk
+from tests.unit.conftest import tiny_llama
 
 LOG = logging.getLogger("test")
 
@@ -140,23 +140,6 @@ def test_validator_catches_killed_truncated_and_missing_shards(tmp_path, token_s
         hidden_store.validate(out)
     with pytest.raises(hidden_store.InvalidStore, match="does not exist"):
         hidden_store.validate(tmp_path / "never.zarr")
-
-
-def flip_bytes_inside_a_chunk(array_dir, shard: int, chunks_per_shard: int, chunk_in_file: int | None = None,
-                              count: int = 64) -> int:
-    """Invert `count` bytes in the middle of a stored chunk of zarr shard file `shard` (by default the chunk
-    holding the file's middle byte); returns that chunk's index in the array."""
-    file = next(f for f in (array_dir / "c" / str(shard)).rglob("*") if f.is_file())
-    data = bytearray(file.read_bytes())
-    index = np.frombuffer(bytes(data[-4 - 16 * chunks_per_shard: -4]), dtype="<u8").reshape(-1, 2)
-    if chunk_in_file is None:
-        chunk_in_file = next(c for c, (offset, size) in enumerate(index) if offset <= len(data) // 2 < offset + size)
-    offset, size = (int(v) for v in index[chunk_in_file])
-    assert size > 2 * count
-    middle = offset + size // 2 - count // 2
-    data[middle: middle + count] = bytes(b ^ 0xFF for b in data[middle: middle + count])
-    file.write_bytes(bytes(data))
-    return shard * chunks_per_shard + chunk_in_file
 
 
 def random_store(out, tokens: int = 5000, hidden: int = 512, shard_bytes: int = 8 << 20) -> dict:

@@ -1,4 +1,5 @@
-"""The parity check (HF reference vs backend) and the SGLang client against responses in SGLang's shape."""
+"""The parity check (HF reference vs backend) and the SGLang client against responses in SGLang's shape
+(the same through snakemake: tests/workflow/test_workflow_parity.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,7 @@ from eagle3_pipeline.runtime.backends import sglang_layer_ids
 from eagle3_pipeline.runtime.backends.hf import HFBackend
 from eagle3_pipeline.runtime.backends.sglang import SGLangBackend, SGLangError, prefill_states
 from eagle3_pipeline.stages import parity
-
-from .conftest import base_config, run_snakemake
-from .sglang_recorded import DATA, RecordedSGLang, server_info
-from .test_workflow_data import tiny_config
+from tests.conftest import DATA, sglang_server_info, sglang_servers
 
 LOG = logging.getLogger("test")
 HF_IDS = [2, 15, 27]  # SmolLM2's defaults (30 blocks)
@@ -56,21 +54,15 @@ def test_catches_a_planted_off_by_one_layer_id(model, sequences):
 
 
 def test_sglang_response_shape_is_parsed():
-    response = json.loads((DATA / "generate_response_shape.json").read_text())["response"]
+    response = json.loads((DATA / "sglang" / "generate_response_shape.json").read_text())["response"]
     assert prefill_states(response[0], 3, 6, "u", 0).shape == (3, 6)
     assert prefill_states(response[1], 2, 6, "u", 1)[1].tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     with pytest.raises(SGLangError, match=r"shape \(2, 6\), expected \(3, 6\).*prefix cache"):
         prefill_states(response[1], 3, 6, "u", 1)
 
 
-def servers(model, aux_ids, final="post_norm", aux_info=None, final_info=None):
-    aux = RecordedSGLang(model, aux_info or server_info("aux"), sglang_layer_ids=aux_ids)
-    last = RecordedSGLang(model, final_info or server_info("final"), final=final)
-    return aux, last
-
-
 def test_sglang_client_reproduces_hf_states_and_passes_parity(model, sequences):
-    aux, last = servers(model, sglang_layer_ids(HF_IDS))
+    aux, last = sglang_servers(model, sglang_layer_ids(HF_IDS))
     try:
         backend = SGLangBackend(aux.url, last.url, HF_IDS, 30, 576)
         states = backend.extract(sequences)
@@ -87,14 +79,15 @@ def test_sglang_server_given_hf_indices_is_caught(model, sequences):
     # The classic mistake: HF indices passed to --return-aux-hidden-state-layer-ids. A server that reports
     # its ids fails the flag check at once; one that does not is caught by parity.
     with pytest.raises(SGLangError, match=r"layer-ids is \[2, 15, 27\], expected \[1, 14, 26\]"):
-        aux, last = servers(model, HF_IDS, aux_info=server_info("aux", return_aux_hidden_state_layer_ids=HF_IDS))
+        reports_hf_ids = sglang_server_info("aux", return_aux_hidden_state_layer_ids=HF_IDS)
+        aux, last = sglang_servers(model, HF_IDS, aux_info=reports_hf_ids)
         try:
             SGLangBackend(aux.url, last.url, HF_IDS, 30, 576)
         finally:
             aux.close(), last.close()
-    info = server_info("aux")
+    info = sglang_server_info("aux")
     info.pop("return_aux_hidden_state_layer_ids")
-    aux, last = servers(model, HF_IDS, aux_info=info)
+    aux, last = sglang_servers(model, HF_IDS, aux_info=info)
     try:
         report = parity.check(SGLangBackend(aux.url, last.url, HF_IDS, 30, 576), model, sequences, LOG)
     finally:
@@ -103,7 +96,7 @@ def test_sglang_server_given_hf_indices_is_caught(model, sequences):
 
 
 def test_sglang_pre_norm_final_state_is_caught(model, sequences):
-    aux, last = servers(model, sglang_layer_ids(HF_IDS), final="pre_norm")
+    aux, last = sglang_servers(model, sglang_layer_ids(HF_IDS), final="pre_norm")
     try:
         report = parity.check(SGLangBackend(aux.url, last.url, HF_IDS, 30, 576), model, sequences, LOG)
     finally:
@@ -114,8 +107,9 @@ def test_sglang_pre_norm_final_state_is_caught(model, sequences):
 
 
 def test_sglang_wrong_flags_fail_before_any_work(model):
-    aux, last = servers(model, sglang_layer_ids(HF_IDS), aux_info=server_info("aux", chunked_prefill_size=8192),
-                        final_info=server_info("final", disable_radix_cache=False))
+    aux, last = sglang_servers(model, sglang_layer_ids(HF_IDS),
+                               aux_info=sglang_server_info("aux", chunked_prefill_size=8192),
+                               final_info=sglang_server_info("final", disable_radix_cache=False))
     try:
         with pytest.raises(SGLangError) as error:
             SGLangBackend(aux.url, last.url, HF_IDS, 30, 576)
@@ -123,32 +117,6 @@ def test_sglang_wrong_flags_fail_before_any_work(model):
         aux.close(), last.close()
     assert "--chunked-prefill-size -1" in str(error.value) and "--disable-radix-cache" in str(error.value)
     assert aux.requests == last.requests == 0
-
-
-@pytest.mark.workflow
-def test_snakemake_stops_at_parity_before_extracting(tmp_path, target_dir, model):
-    config, _ = tiny_config(tmp_path, target_dir, shards=1)
-    info = server_info("aux")
-    info.pop("return_aux_hidden_state_layer_ids")
-    aux, last = servers(model, HF_IDS, aux_info=info)  # the planted off-by-one
-    config["extract"] = {**config["extract"], "backend": "sglang",
-                         "sglang": {"aux_url": aux.url, "final_url": last.url, "timeout_s": 60, "retries": 0}}
-    config["parity"] = {**config["parity"], "sequences": 2, "max_tokens": 48}
-    try:
-        result = run_snakemake(tmp_path, config, "results/tiny/hidden/shard-00000.zarr", check=False)
-    finally:
-        aux.close(), last.close()
-    assert result.returncode != 0
-    log = (tmp_path / "logs" / "tiny" / "parity.log").read_text()
-    assert "parity check FAILED for backend sglang" in log and "off by +1" in log
-    assert not (tmp_path / "results" / "tiny" / "hidden").exists()
-    assert not (tmp_path / "results" / "tiny" / "parity" / "sglang.json").exists()
-
-
-def test_sglang_config_without_urls_is_rejected_at_parse_time(tmp_path):
-    config = base_config(extract={"backend": "sglang"})
-    result = run_snakemake(tmp_path, config, "-n", check=False)
-    assert result.returncode != 0 and "extract.sglang.aux_url" in result.stderr + result.stdout
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("E3_SGLANG_AUX_URL"),

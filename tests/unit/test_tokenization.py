@@ -12,8 +12,7 @@ from eagle3_pipeline.tokenization import (
     end_of_turn_marker,
     tokenize_conversation,
 )
-
-from .conftest import DATA
+from tests.conftest import DATA
 
 CONVERSATION = {
     "id": "t1",

@@ -5,21 +5,15 @@ included), so each test starts where the training stage would."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from eagle3_pipeline.formats import hidden_store
-
-from .conftest import run_snakemake, snakemake_command
-from .test_extraction import flip_bytes_inside_a_chunk
-from .test_workflow_report import tiny_run_config
+from tests.conftest import flip_bytes_inside_a_chunk, run_snakemake
+from tests.workflow.conftest import kill_when, start_snakemake, tiny_run_config
 
 pytestmark = pytest.mark.workflow
 WEIGHTS = "results/tiny/train/drafter.safetensors"
@@ -81,13 +75,8 @@ def test_a_killed_training_resumes_bit_identically(prepared, tmp_path):
     interrupted, config = copy_of(prepared, tmp_path / "interrupted")
     straight, _ = copy_of(prepared, tmp_path / "straight")
     checkpoint = interrupted / STATE / "checkpoint.pt"
-    process = subprocess.Popen(snakemake_command(interrupted, config, WEIGHTS), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and not checkpoint.exists() and process.poll() is None:
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process = start_snakemake(interrupted, config, WEIGHTS)
+    kill_when(process, f"the first training checkpoint ({STATE}/checkpoint.pt)", checkpoint.exists)
     assert checkpoint.exists() and not (interrupted / WEIGHTS).exists(), "the kill did not land during training"
 
     run_snakemake(interrupted, config, "--unlock")

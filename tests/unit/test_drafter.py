@@ -26,8 +26,7 @@ from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.resume import fingerprint_changes, run_fingerprint
 from eagle3_pipeline.training.selection import summary
 from eagle3_pipeline.workflow_config import schema_defaults
-
-from .tiny_models import tiny_target_with_store
+from tests.unit.conftest import tiny_target_with_store
 
 
 def tiny_config(**overrides) -> DrafterConfig:

@@ -1,0 +1,121 @@
+"""The report's table and figures from a hand-made results directory: the headline table `make run` prints and
+the CSV carry the tau pass's tau and the timing pass's speeds (empty where a method was not timed); each figure
+is a real PNG with one panel per prompt set (or per training view) and the plotted lines in it."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from eagle3_pipeline.formats import evaluation
+from eagle3_pipeline.stages import plots
+
+DPI = 110  # plots.py saves every figure at this resolution
+LINE_BLUE = np.array([0x1F, 0x77, 0xB4]) / 255  # matplotlib's first line colour
+
+
+def method(tau: float | None, rates: list[float] | None = None, diverged: float = 0.0) -> dict:
+    values = {"prompts": 2, "tokens": 40}
+    if tau is not None:
+        values |= {"k": 2, "tau": tau, "acceptance_by_position": rates, "diverged_share": diverged}
+    return values
+
+
+def speed(tokens_per_s: float, speedup: float) -> dict:
+    return {"tokens_per_s": tokens_per_s, "speedup_vs_target": speedup, "draft_ms_per_step": 1.5,
+            "verify_ms_per_step": 20.25, "prompts": 1}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "results" / "tiny"
+    (run / "evaluation").mkdir(parents=True)
+    for name, tau in (("mtbench-package", 2.5), ("held-out", 1.75)):
+        summary = {"target": method(None), "eagle3@k=2": method(tau, [0.8, 0.5], diverged=0.5),
+                   "prompt-lookup@k=2": method(1.125, [0.25, 0.1])}
+        (run / "evaluation" / f"{name}.json").write_text(json.dumps({"summary": summary, "traces": []}))
+    (run / "timing").mkdir()
+    (run / "timing" / "timing.json").write_text(json.dumps({"pass": "timing", "sets": {
+        "mtbench-package": {"target": speed(10.0, 1.0), "eagle3@k=2": speed(21.0, 2.1)},
+        "held-out": {"target": speed(12.0, 1.0)}}}))
+    return run
+
+
+def test_the_headline_table_shows_tau_and_the_timed_speedups(run_dir, capsys):
+    assert plots.main([str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"tau and speedup ({run_dir / 'evaluation'}")
+    rows = {(cells[0], cells[1]): cells[2:] for cells in map(str.split, lines[2:])}
+    assert set(rows) == {(s, m) for s in ("mtbench-package", "held-out")
+                         for m in ("target", "eagle3@k=2", "prompt-lookup@k=2")}
+    assert rows["mtbench-package", "eagle3@k=2"] == ["2.500", "0.500", "2", "21.0", "2.100", "1.50", "20.25", "1"]
+    assert rows["mtbench-package", "target"] == ["1.000", "0.000", "2", "10.0", "1.000", "1.50", "20.25", "1"]
+    assert rows["held-out", "eagle3@k=2"] == ["1.750", "0.500", "2"]  # not timed: the speed cells are empty
+    assert rows["held-out", "prompt-lookup@k=2"] == ["1.125", "0.000", "2"]
+
+
+def test_the_headline_without_results_says_where_it_looked(tmp_path, capsys):
+    assert plots.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == f"{tmp_path / 'evaluation'}: no evaluation results yet"
+
+
+def test_the_csv_table_has_one_row_per_set_and_method(run_dir, tmp_path):
+    evaluations = evaluation.read_evaluations(sorted((run_dir / "evaluation").glob("*.json")))
+    timing = json.loads((run_dir / "timing" / "timing.json").read_text())
+    evaluation.write_tau_table(tmp_path / "tau.csv", evaluations, timing)
+    rows = list(csv.DictReader((tmp_path / "tau.csv").open()))
+    assert len(rows) == 6 and list(rows[0]) == list(evaluation.TAU_COLUMNS)
+    eagle3 = next(r for r in rows if (r["prompt_set"], r["method"]) == ("mtbench-package", "eagle3@k=2"))
+    assert eagle3["tau (tau pass)"] == "2.500" and eagle3["speedup_vs_target (timing pass)"] == "2.100"
+    untimed = next(r for r in rows if (r["prompt_set"], r["method"]) == ("held-out", "prompt-lookup@k=2"))
+    assert untimed["tokens_per_s (timing pass)"] == "" and untimed["tau (tau pass)"] == "1.125"
+
+
+def png(path) -> np.ndarray:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(str(path))[..., :3]
+
+
+def blue_pixels(image: np.ndarray) -> int:
+    return int((np.abs(image - LINE_BLUE).max(axis=-1) < 0.05).sum())
+
+
+def test_the_acceptance_figure_has_a_panel_per_prompt_set(run_dir, tmp_path):
+    evaluations = evaluation.read_evaluations(sorted((run_dir / "evaluation").glob("*.json")))
+    plots.acceptance_figure(evaluations, tmp_path / "acceptance.png")
+    image = png(tmp_path / "acceptance.png")
+    assert image.shape[:2] == (4 * DPI, 2 * 6 * DPI)
+    left, right = image[:, : image.shape[1] // 2], image[:, image.shape[1] // 2:]
+    assert blue_pixels(left) > 200 and blue_pixels(right) > 200  # eagle3's line in both panels
+
+
+def metrics_csv(path, steps: int = 6) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "lr", "loss", "acc_0", "acc_1"])
+        for step in range(1, steps + 1):
+            writer.writerow([step, 1e-3, 5.0 / step, 0.1 * step / steps, 0.05 * step / steps])
+
+
+@pytest.mark.parametrize("with_estimate", [False, True])
+def test_the_training_figure_adds_the_held_out_panel_when_there_is_an_estimate(tmp_path, with_estimate):
+    metrics_csv(tmp_path / "metrics.csv")
+    estimate = {"by_epoch": [{"epoch": 1, "tau_k2": 1.4}, {"epoch": 2, "tau_k2": 1.6}],
+                "kept": {"epoch": 2}, "selected_by": "tau_k2"}
+    summary = {"heldout_estimate": estimate} if with_estimate else {}
+    plots.training_figure(tmp_path / "metrics.csv", tmp_path / "training.png", summary)
+    image = png(tmp_path / "training.png")
+    assert image.shape[:2] == (4 * DPI, (18 if with_estimate else 12) * DPI)
+    assert blue_pixels(image[:, : image.shape[1] // 3]) > 100  # the loss curve
+
+
+def test_the_disk_figure_compares_planned_and_actual_per_shard(tmp_path):
+    shards = {f"shard-0000{i}.zarr": {"planned_bytes": 4e6, "actual_bytes": 3.6e6} for i in range(3)}
+    plots.disk_figure({"shards": shards, "actual_over_planned": 0.9}, tmp_path / "disk.png")
+    image = png(tmp_path / "disk.png")
+    assert image.shape[:2] == (4 * DPI, 6 * DPI)
+    assert blue_pixels(image) > 10_000  # the planned bars (the legend alone has a few hundred)

@@ -1,0 +1,107 @@
+"""Parse-time config checks, called directly: the schema's messages name the key and the fix, and the checks the
+schema cannot express (files, counts, required URLs, a template that must parse) name the key too."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from eagle3_pipeline.workflow_config import ConfigError, check, check_schema
+from tests.conftest import REPO, base_config
+
+SCHEMA = REPO / "config" / "schema.yaml"
+
+
+def schema_error(config: dict) -> str:
+    with pytest.raises(ConfigError) as error:
+        check_schema(config, SCHEMA)
+    return str(error.value)
+
+
+def test_the_shipped_config_passes_the_schema():
+    check_schema(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), SCHEMA)
+
+
+def test_an_unknown_key_is_named_with_the_keys_allowed_there():
+    config = base_config()
+    config["data"] = {**config["data"], "colour": "blue"}
+    message = schema_error(config)
+    assert message.startswith("config key data.colour: unknown key (allowed here: ")
+    assert "num_shards" in message and "\n" not in message
+
+
+def test_a_value_of_the_wrong_type_is_named_with_its_key():
+    config = base_config(data={"num_shards": "four"})
+    assert schema_error(config) == "config key data.num_shards: 'four' is not of type 'integer'"
+
+
+def test_yaml_reading_an_exponent_without_a_dot_as_a_string_gets_the_fix():
+    text = (REPO / "config" / "config.yaml").read_text().replace("learning_rate: 3.0e-4", "learning_rate: 3e-4")
+    config = yaml.safe_load(text)
+    assert config["train"]["learning_rate"] == "3e-4"  # PyYAML follows YAML 1.1
+    message = schema_error(config)
+    assert message.startswith("config key train.learning_rate: '3e-4' is not of type 'number'")
+    assert message.endswith("; YAML reads 3e-4 as a string - write 3.0e-4 (with a dot) for a number")
+
+
+def test_many_problems_show_three_and_count_the_rest():
+    config = base_config(data={"num_shards": "a", "seed": "b", "max_seq_len": "c", "eval_conversations": "d"})
+    lines = schema_error(config).splitlines()
+    assert len(lines) == 4 and lines[-1] == "(1 more problems)"
+    assert all(line.startswith("config key data.") for line in lines[:3])
+
+
+def checked_config(tmp_path, **sections) -> dict:
+    """A config whose target and input are real local files (no alias, no hub lookup)."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "chats.json").write_text("[]")
+    return base_config(target={"source": str(tmp_path / "model")},
+                       data={"inputs": [str(tmp_path / "chats.json")], **sections.pop("data", {})}, **sections)
+
+
+def check_error(config: dict) -> str:
+    with pytest.raises(ConfigError) as error:
+        check(config)
+    return str(error.value)
+
+
+def test_local_files_pass_and_come_back_resolved(tmp_path):
+    settings = check(checked_config(tmp_path))
+    assert settings.data_inputs == [str(tmp_path / "chats.json")] and settings.target_source == str(tmp_path / "model")
+    assert settings.warnings == [] and settings.chat_template_file is None
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"target": {"source": "/nonexistent/model"}}, "config key target.source: '/nonexistent/model' does not exist"),
+    ({"target": {"gguf_file": "model.gguf"}}, "config key target.gguf_file: 'model.gguf' not found in "),
+    ({"data": {"inputs": ["{tmp}"]}}, "config key data.inputs[0]: '{tmp}' is a directory, not a JSON/JSONL file"),
+    ({"data": {"weights": [1.0, 2.0]}}, "config key data.weights: 2 weights for 1 inputs"),
+    ({"data": {"train_conversations": 3, "num_shards": 4}},
+     "config key data.train_conversations: 3 is fewer than data.num_shards (4)"),
+    ({"regenerate": {"enabled": True, "engine": "openai"}},
+     "config key regenerate.server.url: required when regenerate.engine is 'openai'"),
+    ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},
+     "config key extract.sglang.final_url: required when extract.backend is 'sglang'"),
+])
+def test_what_the_schema_cannot_say_is_named_by_key(tmp_path, change, expected):
+    config = checked_config(tmp_path)
+    for section, values in change.items():
+        values = {key: [v.format(tmp=tmp_path) for v in value] if key == "inputs" else value
+                  for key, value in values.items()}
+        config[section] = {**config[section], **values}
+    assert check_error(config).startswith(expected.format(tmp=tmp_path))
+
+
+def test_a_chat_template_must_exist_and_parse(tmp_path):
+    config = checked_config(tmp_path)
+    config["target"] = {**config["target"], "chat_template": str(tmp_path / "missing.jinja")}
+    message = check_error(config)
+    assert message.startswith("config key target.chat_template: ") and "is neither a file nor a built-in" in message
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}\n{{ message['content'] }}\n")  # no endfor
+    config["target"]["chat_template"] = str(broken)
+    assert check_error(config).startswith(f"config key target.chat_template: {broken} line ")
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    config["target"]["chat_template"] = str(good)
+    assert check(config).chat_template_file == str(good)
