@@ -3,6 +3,7 @@ from functools import cache
 
 from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
+from eagle3_pipeline import plan_fixed, target_shape
 from eagle3_pipeline import workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 
@@ -89,17 +90,17 @@ wildcard_constraints:
 def current_plan():
     target = config["target"]
     where = (SETTINGS.target_source, target.get("gguf_file"), target.get("revision"))
-    dims = disk_plan.target_dims(TARGET_DIR, *where)
-    hidden_size, warnings = disk_plan.planned_hidden_size(dims, config["plan"].get("target_hidden_size"),
+    dims = target_shape.target_dims(TARGET_DIR, *where)
+    hidden_size, warnings = plan_fixed.planned_hidden_size(dims, config["plan"].get("target_hidden_size"),
                                                           target["source"])
     prompt_sets = {prompt_set_name(e): None if e in ("held-out", "mtbench-package") else e
                    for e in config["evaluate"]["prompts"]}
     fixed = [
-        disk_plan.target_copy(TARGET_DIR, *where),
-        *disk_plan.drafter_stages(disk_plan.with_drafter_width(dims, config["train"]["drafter_intermediate_size"]),
+        plan_fixed.target_copy(TARGET_DIR, *where),
+        *plan_fixed.drafter_stages(plan_fixed.with_drafter_width(dims, config["train"]["drafter_intermediate_size"]),
                                   config["vocab"]["draft_vocab_size"], config["export"]["dtype"],
                                   Path(DRAFTER_WEIGHTS), Path(SERVING_DIR), hidden_size),
-        disk_plan.evaluation_stage(prompt_sets,
+        plan_fixed.evaluation_stage(prompt_sets,
                                    {name: Path(EVAL_RESULTS.format(prompt_set=name)) for name in prompt_sets},
                                    config["evaluate"], config["data"]),
     ]

@@ -194,10 +194,10 @@ def check_target_family(target_dir: Path, target: dict[str, Any], target_source:
 
     Reads what is local: the materialised target's or the source directory's config.json (or the HF cache),
     else a GGUF file's architecture; a hub id not yet fetched is checked by the target job."""
-    from eagle3_pipeline import plan
+    from eagle3_pipeline import target_shape
     from eagle3_pipeline.families import target_support_problem
 
-    config = plan.target_config(target_dir, target_source, target.get("revision"))
+    config = target_shape.target_config(target_dir, target_source, target.get("revision"))
     if config is not None:
         problem = target_support_problem(config)
     else:
@@ -207,12 +207,12 @@ def check_target_family(target_dir: Path, target: dict[str, Any], target_source:
 
 
 def _gguf_family_problem(source: str, gguf_file: str | None) -> str | None:
-    from eagle3_pipeline import plan
+    from eagle3_pipeline import target_shape
 
-    gguf = plan.gguf_path(source, gguf_file)
+    gguf = target_shape.gguf_path(source, gguf_file)
     if gguf is None:
         return None
-    architecture = bytes(plan.gguf_reader(gguf).fields["general.architecture"].parts[-1]).decode()
+    architecture = bytes(target_shape.gguf_reader(gguf).fields["general.architecture"].parts[-1]).decode()
     if architecture not in GGUF_FAMILIES:
         return (f"GGUF architecture {architecture!r} is not a supported target family "
                 f"({', '.join(GGUF_FAMILIES)})")

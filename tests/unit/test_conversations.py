@@ -3,8 +3,9 @@ import json
 import pytest
 
 from eagle3_pipeline import conversations
-from eagle3_pipeline.conversations import IngestError, ingest, split
+from eagle3_pipeline.conversations import ingest, split
 from eagle3_pipeline.formats import conversation_shards
+from eagle3_pipeline.raw_records import IngestError
 from tests.conftest import sharegpt_record, tiny_conversations
 
 

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from eagle3_pipeline import assets, plan
+from eagle3_pipeline import assets, plan, plan_fixed, target_shape
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import train
@@ -16,21 +16,21 @@ from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def test_target_copy_estimate_matches_the_materialised_gguf_target(target_dir, tmp_path):
-    planned = plan.target_copy(tmp_path / "not-yet", str(assets.resolve("smollm2-gguf")), None, None)
-    actual = plan.directory_bytes(target_dir)
+    planned = plan_fixed.target_copy(tmp_path / "not-yet", str(assets.resolve("smollm2-gguf")), None, None)
+    actual = plan_fixed.directory_bytes(target_dir)
     assert planned.pending_bytes == planned.total_bytes and 0.97 < actual / planned.total_bytes < 1.03
-    done = plan.target_copy(target_dir, "unused", None, None)
+    done = plan_fixed.target_copy(target_dir, "unused", None, None)
     assert done.total_bytes == actual and done.pending_bytes == 0
 
 
 def test_drafter_estimates_match_a_real_checkpoint_weights_and_export(target_dir, tmp_path):
-    dims = plan.target_dims(target_dir, "unused")
-    gguf_dims = plan.target_dims(tmp_path, str(assets.resolve("smollm2-gguf")))
+    dims = target_shape.target_dims(target_dir, "unused")
+    gguf_dims = target_shape.target_dims(tmp_path, str(assets.resolve("smollm2-gguf")))
     assert dims == gguf_dims  # the GGUF's header and the converted config agree
     draft_vocab = 4096
     model = Drafter(DrafterConfig.from_target(load_config(target_dir), draft_vocab, [2, 15, 27]))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sum(p.numel() for p in trainable) == plan.drafter_parameters(dims, draft_vocab)
+    assert sum(p.numel() for p in trainable) == plan_fixed.drafter_parameters(dims, draft_vocab)
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     for p in trainable:
         p.grad = torch.zeros_like(p)
@@ -45,7 +45,7 @@ def test_drafter_estimates_match_a_real_checkpoint_weights_and_export(target_dir
     export = tmp_path / "export.safetensors"
     save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
                for k, v in model.trainable_state_dict().items()}, str(export))
-    train_stage, serving = plan.drafter_stages(dims, draft_vocab, "bfloat16", tmp_path / "w", tmp_path / "s")
+    train_stage, serving = plan_fixed.drafter_stages(dims, draft_vocab, "bfloat16", tmp_path / "w", tmp_path / "s")
     actual_train = checkpoint.stat().st_size + weights.stat().st_size
     assert 0.97 < actual_train / train_stage.total_bytes < 1.03
     assert 0.97 < export.stat().st_size / serving.total_bytes < 1.03
@@ -53,11 +53,11 @@ def test_drafter_estimates_match_a_real_checkpoint_weights_and_export(target_dir
 
 def test_a_configured_hidden_size_the_target_overrides_is_warned_about():
     dims = {"hidden_size": 576}
-    assert plan.planned_hidden_size(dims, None, "x") == (576, [])
-    assert plan.planned_hidden_size(dims, 576, "x") == (576, [])
-    size, warnings = plan.planned_hidden_size(dims, 4096, "x")
+    assert plan_fixed.planned_hidden_size(dims, None, "x") == (576, [])
+    assert plan_fixed.planned_hidden_size(dims, 576, "x") == (576, [])
+    size, warnings = plan_fixed.planned_hidden_size(dims, 4096, "x")
     assert size == 576 and "plan.target_hidden_size (4096) is ignored" in warnings[0]
-    size, warnings = plan.planned_hidden_size(None, None, "org/model")
+    size, warnings = plan_fixed.planned_hidden_size(None, None, "org/model")
     assert size is None and "plan.target_hidden_size" in warnings[0]
 
 

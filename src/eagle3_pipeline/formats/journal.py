@@ -13,6 +13,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+STAMP_FILE = "fingerprint"  # a progress directory's: what its records were decoded for
+
+
+def write_stamp(directory: Path, fingerprint: str) -> None:
+    (Path(directory) / STAMP_FILE).write_text(fingerprint)
+
+
+def read_stamp(directory: Path) -> str | None:
+    stamp = Path(directory) / STAMP_FILE
+    return stamp.read_text() if stamp.exists() else None
+
 
 def append(handle: TextIO, records: Iterable[Any]) -> None:
     """Write `records` to the journal open in `handle` (append mode), one per line, and sync them to disk."""

@@ -19,6 +19,19 @@ def read(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
+def write_yaml(path: Path, record: dict[str, Any]) -> None:
+    """The training config snapshot (`train/config_snapshot.yaml`): keys in the config's order."""
+    import yaml
+
+    atomic_write(Path(path), yaml.safe_dump(record, sort_keys=False))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
 def write_figure(figure: Any, path: Path, dpi: int = 110) -> None:
     """A matplotlib figure as PNG (the format named explicitly: the `.partial` name has no image suffix)."""
     with atomic_file(Path(path)) as partial:

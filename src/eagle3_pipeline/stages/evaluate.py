@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import logs
-from eagle3_pipeline.formats import evaluation, journal
+from eagle3_pipeline.formats import evaluation, jobs, journal
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.devices import pick_device
@@ -75,12 +75,11 @@ class PromptProgress:
 
     def __init__(self, directory: Path, fingerprint: str, log: Any):
         self.directory = Path(directory)
-        stamp = self.directory / "fingerprint"
-        if self.directory.exists() and (not stamp.exists() or stamp.read_text() != fingerprint):
+        if self.directory.exists() and journal.read_stamp(self.directory) != fingerprint:
             log.warning("%s: written for another drafter, target or settings; starting over", self.directory)
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(fingerprint)
+        journal.write_stamp(self.directory, fingerprint)
 
     def finished(self, prompts: list[Prompt]) -> dict[str, dict[str, Trace]]:
         """Traces by prompt id, for prompts whose text is unchanged."""
@@ -109,7 +108,7 @@ class PromptProgress:
 def worker_main(job_path: Path) -> None:
     """One worker process: `python -m eagle3_pipeline.stages.evaluate JOB.json` (see run_job). Its traces go to
     the progress directory, prompt by prompt."""
-    job = json.loads(Path(job_path).read_text())
+    job = json.loads(jobs.read(job_path))
     torch.set_num_threads(job["threads"])
     log = logs.setup(job["log"], name=f"evaluate.worker{job['index']}", append=True)
     prompts = [Prompt(**p) for p in job["prompts"]]
@@ -137,7 +136,7 @@ def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> No
         running = []
         for i in range(workers):
             job_path = Path(scratch) / f"job{i}.json"
-            job_path.write_text(json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts[i::workers]],
+            jobs.write(job_path, json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts[i::workers]],
                                             "threads": max(1, torch.get_num_threads() // workers)}))
             running.append(subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.stages.evaluate", str(job_path)]))
         failed = [i for i, process in enumerate(running) if process.wait() != 0]

@@ -136,7 +136,6 @@ def disk_figure(disk_report: dict[str, Any], out: Path) -> None:
 def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
-    import yaml
 
     packages = {}
     for name in ("eagle3-pipeline", "snakemake", "torch", "transformers", "zarr", "numcodecs", "safetensors",
@@ -146,7 +145,7 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
         except PackageNotFoundError:
             packages[name] = None
     identity = read_identity(target_dir)
-    return {"config": config, "training_config": yaml.safe_load(Path(training_snapshot).read_text()),
+    return {"config": config, "training_config": reports.read_yaml(training_snapshot),
             "target": identity, "packages": packages}
 
 

@@ -63,9 +63,8 @@ def install_chat_template(directory: Path, setting: str) -> None:
     tokenizer_config.json's; every stage loads the tokenizer from here, so all render the same way."""
     from eagle3_pipeline.tokenization import chat_template_text
 
-    destination = directory / CHAT_TEMPLATE_FILE
-    destination.unlink(missing_ok=True)  # a new file: never write through a link into the source's copy
-    destination.write_text(chat_template_text(setting), encoding="utf-8")
+    # a new file: never written through a link into the source's copy
+    target_dir.write_new_file(directory / CHAT_TEMPLATE_FILE, chat_template_text(setting))
     log.info("chat template: %s", setting)
 
 

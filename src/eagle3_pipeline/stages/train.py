@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3_pipeline import logs
-from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, zarr_io
+from eagle3_pipeline.formats import drafter_weights, hidden_store, jobs, metrics, reports, zarr_io
 from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.selection import summary
 
@@ -139,7 +139,7 @@ def run(job: TrainJob, gpus: int, metrics_output: Path) -> None:
     if gpus > 1:
         job_path = job.state_dir / "args.json"
         job_path.parent.mkdir(parents=True, exist_ok=True)
-        job_path.write_text(job.as_json())
+        jobs.write(job_path, job.as_json())
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
                         "-m", "eagle3_pipeline.stages.train", str(job_path)], check=True)
     else:
@@ -148,10 +148,8 @@ def run(job: TrainJob, gpus: int, metrics_output: Path) -> None:
 
 
 def run_from_snakemake(snakemake: Any) -> None:
-    import yaml
-
     torch.set_num_threads(snakemake.threads)
-    Path(snakemake.output.config).write_text(yaml.safe_dump(dict(snakemake.params.provenance), sort_keys=False))
+    reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
     job = TrainJob(stores=tuple(Path(p) for p in snakemake.input.stores),
                    heldout=tuple(Path(p) for p in snakemake.input.heldout), target=Path(snakemake.input.target),
                    vocab=Path(snakemake.input.vocab), state_dir=Path(snakemake.params.state_dir),
@@ -161,4 +159,4 @@ def run_from_snakemake(snakemake: Any) -> None:
 
 
 if __name__ == "__main__":
-    run_process(TrainJob.from_json(Path(sys.argv[1]).read_text()))
+    run_process(TrainJob.from_json(jobs.read(Path(sys.argv[1]))))
