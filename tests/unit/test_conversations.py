@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eagle3_pipeline import conversations
+from eagle3_pipeline import raw_records
 from eagle3_pipeline.conversations import ingest, split
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.raw_records import IngestError
@@ -166,7 +166,7 @@ def test_a_utf8_bom_is_stripped_and_noted_and_every_record_kept(tmp_path, shape)
     records = tiny_conversations(4)
     body = ("\n".join(json.dumps(r) for r in records) + "\n") if shape == "jsonl" else json.dumps(records, indent=2)
     path = tmp_path / f"bom.{shape}"
-    path.write_bytes(conversations.UTF8_BOM + body.encode())
+    path.write_bytes(raw_records.UTF8_BOM + body.encode())
     kept, report = ingest([path])
     assert [c["id"] for c in kept] == [r["id"] for r in records] and not report.dropped
     assert report.modified == {"utf8_bom_stripped": 1} and report.files[str(path)]["utf8_bom_stripped"]
