@@ -172,8 +172,6 @@ def resume(state_dir: Path, fingerprint: dict[str, Any], steps_total: int, model
         log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
     if is_main_process():
         metrics.truncate(metrics_path, start)
-    if is_main_process():
-        metrics.truncate(metrics_path, start)
     return start
 
 
