@@ -98,6 +98,9 @@ class TargetRuntime:
             return self._run(self.model.forward, tokens, cache)
         padded = tokens + [tokens[-1]] * (width - n)
         if self.step is not None:
+            # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
+            # (without this, alternating with other graphs records new tree paths instead of replaying)
+            torch.compiler.cudagraph_mark_step_begin()
             try:
                 logits, aux = self._run(self.step, padded, cache)
             except Exception as exc:  # no Triton, unsupported op, compiler error: decode eagerly instead

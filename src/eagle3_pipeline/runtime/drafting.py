@@ -13,14 +13,16 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import serving_dir as serving_format
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps
 
 
 class DrafterProposer:
     """Chain drafts from an EAGLE-3 drafter, keeping its KV cache of real rows across verify steps.
 
-    `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so a
-    compiled (`compiled`: CUDA-graph) step sees two shapes only - k + 1 real rows and one chain row. Padding
-    rows sit beyond the last real position, where the chain and the next step overwrite them."""
+    `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so the
+    chain sees one shape per k. `compiled` (CUDA): that chain is recorded once as a CUDA graph and replayed
+    (draft_graph.CapturedChain). Padding rows sit beyond the last real position, where the chain and the next
+    step overwrite them."""
 
     def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
         self.drafter = drafter.eval()
@@ -29,7 +31,9 @@ class DrafterProposer:
         self.done = 0  # rows (f_t, x_{t+1}) already in the cache
         self.static = static or compiled
         self.static_cache: StaticKV | None = None
-        self.step = torch.compile(drafter.decode, mode="reduce-overhead", dynamic=False) if compiled else None
+        self.captured = CapturedChain(drafter) if compiled and self.device.type == "cuda" else None
+        if compiled and self.captured is None and log is not None:
+            log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
         self.log = log
 
     def reset(self) -> None:
@@ -48,39 +52,34 @@ class DrafterProposer:
         """Draft target ids [k] and the draft-vocab logits [k, K] they were chosen from.
 
         Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
-        feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
+        feature f_p) at position p; the first draft from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
         n = features.shape[0]
         new = n - self.done
         width = k + 1 if self.static and new <= k + 1 else new
-        dtype = self.drafter.fc.weight.dtype
         tokens = context[self.done + 1: n + 1]
-        new_tokens = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
+        ids = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
         positions = torch.arange(self.done, self.done + width, device=self.device)[None]
-        hidden = features[self.done:n].to(self.device, dtype)
+        hidden = features[self.done:n].to(self.device, self.drafter.fc.weight.dtype)
         if width > new:
             hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
-        hidden = hidden[None]
+        last = torch.tensor([new - 1], device=self.device)
         if self.static:
             self._reserve(max(self.done + width, n + k))
-        logits, hidden, self.cache = self._decode(new_tokens, hidden, positions, compiled=width == k + 1)
         self.done = n
-        real = self.cache
-        hidden, logits = hidden[:, new - 1:new], logits[0, new - 1]
-        token = self.drafter.draft_to_target(logits.argmax())
-        drafts, chain_logits = [token], [logits]
-        for step in range(1, k):
-            position = torch.full((1, 1), n - 1 + step, device=self.device)
-            logits, hidden, self.cache = self._decode(token.view(1, 1), hidden, position, compiled=True)
-            logits = logits[0, -1]
-            token = self.drafter.draft_to_target(logits.argmax())
-            drafts.append(token)
-            chain_logits.append(logits)
-        self.cache = real  # chain rows are speculative; the next call appends the verified real rows
-        return torch.stack(drafts), torch.stack(chain_logits)
+        if self.captured is not None and width == k + 1:
+            try:
+                return self.captured(ids, hidden[None], positions, last, self.cache, k)
+            except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
+                if self.log is not None:
+                    self.log.warning("drafter chain CUDA graph failed (%s: %s); drafting eagerly",
+                                     type(exc).__name__, str(exc)[:300])
+                self.captured = None
+        drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden[None], positions, last, self.cache, k)
+        return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
 
     def _reserve(self, rows: int) -> None:
-        """A static cache of at least `rows` slots (powers of two: few sizes, few recompilations)."""
+        """A static cache of at least `rows` slots (powers of two: few sizes, few graphs)."""
         if self.static_cache is None or self.static_cache.capacity < rows:
             grown = StaticKV.empty(self.drafter.config, 1 << max(8, (rows - 1).bit_length()), self.device,
                                    self.drafter.fc.weight.dtype)
@@ -90,20 +89,6 @@ class DrafterProposer:
                 grown.values[:, :, :kept] = self.static_cache.values
             self.static_cache = grown
         self.cache = self.static_cache
-
-    def _decode(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, compiled: bool):
-        if self.step is None or not compiled:
-            return self.drafter.decode(ids, hidden, positions, self.cache)
-        try:
-            logits, hidden, cache = self.step(ids, hidden, positions, self.cache)
-        except Exception as exc:  # no Triton, unsupported op, compiler error: draft eagerly instead
-            if self.log is not None:
-                self.log.warning("compiled drafter step failed (%s: %s); drafting eagerly", type(exc).__name__,
-                                 str(exc)[:300])
-            self.step = None  # rows are written at their positions, so running the step again is harmless
-            return self.drafter.decode(ids, hidden, positions, self.cache)
-        # CUDA-graph outputs are overwritten by the next replay: keep copies
-        return logits.clone(), hidden.clone(), cache
 
 
 def untrained_like(drafter: Drafter, seed: int = 0) -> Drafter:
