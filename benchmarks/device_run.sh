@@ -12,7 +12,8 @@
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
-#             The second run's overlays are $SECOND; resumable across calls like compare.
+#             The second run's overlays are $SECOND; resumable across calls like compare. BENCH_DECODE=1 runs
+#             bench_decode.py (bf16) on the last GPU while the data stage runs on GPU 0.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
@@ -97,10 +98,15 @@ case $stage in
     snakemake_for "${first[@]}"
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
     if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
+      # BENCH_DECODE=1: the evaluator's decode speeds (bf16) on the other GPU while the data stage runs
+      [ "${BENCH_DECODE:-0}" = 1 ] && (export CUDA_VISIBLE_DEVICES=$last_gpu
+        timeout 300 python3 benchmarks/bench_decode.py --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+          --prompts 3 --max-new 64 --dtypes bfloat16 --tau 2.1 > "$out/bench_decode.txt" 2>&1) &
       # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
       (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract \
         >> "$out/$first_name.log" 2>&1)
       status=$?; echo "data stage: exit $status at $SECONDS s"; tail -3 "$out/$first_name.log"
+      wait; grep -v Warning "$out/bench_decode.txt" 2>/dev/null | tail -8
       if [ $status = 0 ]; then
         mkdir -p "results/$second_name"
         for entry in results/$first_name/*; do  # everything up to the stores; hard links cost no disk
