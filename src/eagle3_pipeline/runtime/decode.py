@@ -123,6 +123,36 @@ class TargetRuntime:
         return output.logits[0], aux
 
     @torch.inference_mode()
+    def forward_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft tree in one forward (eager, dynamic cache): `tokens` at rotary `positions`, token i attending to
+        every cached row and to the tokens j with `visible[i, j]` (its ancestors and itself). The mask goes in as
+        an additive float [1, 1, q, cached + q], which transformers 5.x passes through unchanged (a 4D mask
+        counts as prepared) and which both the sdpa and the eager attention add to their scores."""
+        if self.static:
+            raise ValueError("tree verification needs the dynamic cache (the static one is not supported yet)")
+        cached = int(cache.get_seq_length())
+        allowed = torch.cat([torch.ones(len(tokens), cached, dtype=torch.bool, device=self.device),
+                             visible.to(self.device)], dim=1)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        ids = torch.tensor([tokens], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        output = self.model.forward(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                    **{self.cache_argument: cache})
+        aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
+        return output.logits[0], aux
+
+    @torch.inference_mode()
+    def keep_rows(self, cache: Any, rows: torch.Tensor) -> None:
+        """Keep only the cached rows at indices `rows` (ascending), in that order: after a tree verify, the prefix
+        and the accepted path. Gathers each layer's keys and values (a dynamic cache; every transformers 5.x)."""
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(-2, rows)
+            layer.values = layer.values.index_select(-2, rows)
+
+    @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
         extra = int(cache.get_seq_length()) - keep

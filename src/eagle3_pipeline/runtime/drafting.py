@@ -51,6 +51,26 @@ class DrafterProposer:
         feature f_p) at position p; the first draft comes from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
         n = features.shape[0]
+        logits, hidden = self.extend(context, features, k)
+        real = self.cache
+        token = self.drafter.draft_to_target(logits.argmax())
+        drafts, chain_logits = [token], [logits]
+        for step in range(1, k):
+            position = torch.full((1, 1), n - 1 + step, device=self.device)
+            logits, hidden, self.cache = self._decode(token.view(1, 1), hidden, position, compiled=True)
+            logits = logits[0, -1]
+            token = self.drafter.draft_to_target(logits.argmax())
+            drafts.append(token)
+            chain_logits.append(logits)
+        self.cache = real  # chain rows are speculative; the next call appends the verified real rows
+        return torch.stack(drafts), torch.stack(chain_logits)
+
+    @torch.inference_mode()
+    def extend(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the real rows not yet in the cache (real row p at position p); return the last real row's
+        draft-vocab logits [K] (the first draft's distribution) and its pre-norm hidden state [1, 1, H].
+        `k`: the draft length, for the static cache's padding width."""
+        n = features.shape[0]
         new = n - self.done
         width = k + 1 if self.static and new <= k + 1 else new
         dtype = self.drafter.fc.weight.dtype
@@ -65,19 +85,7 @@ class DrafterProposer:
             self._reserve(max(self.done + width, n + k))
         logits, hidden, self.cache = self._decode(new_tokens, hidden, positions, compiled=width == k + 1)
         self.done = n
-        real = self.cache
-        hidden, logits = hidden[:, new - 1:new], logits[0, new - 1]
-        token = self.drafter.draft_to_target(logits.argmax())
-        drafts, chain_logits = [token], [logits]
-        for step in range(1, k):
-            position = torch.full((1, 1), n - 1 + step, device=self.device)
-            logits, hidden, self.cache = self._decode(token.view(1, 1), hidden, position, compiled=True)
-            logits = logits[0, -1]
-            token = self.drafter.draft_to_target(logits.argmax())
-            drafts.append(token)
-            chain_logits.append(logits)
-        self.cache = real  # chain rows are speculative; the next call appends the verified real rows
-        return torch.stack(drafts), torch.stack(chain_logits)
+        return logits[0, new - 1], hidden[:, new - 1:new]
 
     def _reserve(self, rows: int) -> None:
         """A static cache of at least `rows` slots (powers of two: few sizes, few recompilations)."""
