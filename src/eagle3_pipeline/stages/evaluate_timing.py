@@ -37,7 +37,7 @@ class Settings:
     dtype: str
     compile: str | bool
     trust_remote_code: bool
-    trees: tuple[TreeSetting, ...] = ()
+    trees: tuple[TreeSetting, ...]
 
     @classmethod
     def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
