@@ -77,35 +77,52 @@ def smollm2(target_dir):
     return TargetRuntime(model, [2, 15, 27]), load_tokenizer(target_dir)
 
 
+def static_runtime(target: TargetRuntime, monkeypatch, static_layers_crop: bool) -> TargetRuntime:
+    """The static-cache runtime (what the compiled step runs, uncompiled) on the same model; without
+    `static_layers_crop` as in transformers 5.17 (the H200s'), whose StaticLayer has no crop."""
+    from transformers.cache_utils import StaticLayer
+
+    if not static_layers_crop:
+        monkeypatch.delattr(StaticLayer, "crop")
+    static = TargetRuntime(target.model, [2, 15, 27], static=True)
+    static.prepare([3])
+    return static
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like"])
 @torch.inference_mode()
-def test_each_verified_node_sees_its_ancestors_only(smollm2):
+def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache):
     """A tree verify's logits and aux features for each node equal a plain forward of prefix + root + its path;
-    after keeping the prefix and one path the cache decodes on as if only that path had been fed."""
+    after keeping the prefix and one path the cache decodes on as if only that path had been fed (a static
+    cache: the path's rows moved down to the slots after the root)."""
     target, tokenizer = smollm2
+    if cache != "dynamic":
+        target = static_runtime(target, monkeypatch, static_layers_crop=cache == "static")
     prefix = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     root, n = prefix[-1], len(prefix) - 1
     words = tokenizer.encode(" Rome Milan, is and the")
     assert len(words) >= 6
     tree = DraftTree(tokens=words[:6], parents=[0, 0, 1, 1, 2, 3],
                      depths=[1, 1, 2, 2, 2, 3], scores=[0.0] * 6)
-    cache = target.new_cache(64)
-    target.forward(prefix[:-1], cache)
-    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(),
-                                      cache)
+    kv = target.new_cache(64)
+    target.forward(prefix[:-1], kv)
+    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), kv)
 
     def path_to(node: int) -> list[int]:
         return [] if node == 0 else path_to(tree.parents[node - 1]) + [node]
 
     for node in range(len(tree.tokens) + 1):
         sequence = prefix + [tree.tokens[i - 1] for i in path_to(node)]
-        plain_logits, plain_aux = target.forward(sequence, target.new_cache(64))
+        plain_logits, plain_aux = smollm2[0].forward(sequence, smollm2[0].new_cache(64))
         torch.testing.assert_close(logits[node], plain_logits[-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(aux[node], plain_aux[-1], rtol=1e-4, atol=1e-4)
     path = path_to(6)  # nodes 1, 3, 6
-    target.keep_rows(cache, torch.cat([torch.arange(n), n + torch.tensor([0, *path])]))
+    target.keep_rows(kv, [*range(n), n, *(n + node for node in path)])
+    assert int(kv.get_seq_length()) == n + 1 + len(path)
     following = tokenizer.encode(" city")[0]
-    next_logits, _ = target.forward([following], cache)
-    expected, _ = target.forward(prefix + [tree.tokens[i - 1] for i in path] + [following], target.new_cache(64))
+    next_logits, _ = target.forward([following], kv)
+    expected, _ = smollm2[0].forward(prefix + [tree.tokens[i - 1] for i in path] + [following],
+                                     smollm2[0].new_cache(64))
     torch.testing.assert_close(next_logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
 
 
@@ -191,24 +208,34 @@ def test_the_evaluation_names_trees_by_their_sglang_flags(trained):
 
 
 def test_trees_are_skipped_with_a_reason_where_the_target_cannot_verify_them(caplog):
-    static = TargetRuntime(tiny_llama(layers=2, hidden=32), [1, 1, 2], static=True)
-    assert speculative.usable_trees(static, (TreeSetting(2, 2, 4),), logging.getLogger("test")) == ()
-    assert "static (compiled) target cache" in caplog.text
-    eager = TargetRuntime(tiny_llama(layers=2, hidden=32), [1, 1, 2])
-    assert speculative.usable_trees(eager, (TreeSetting(2, 2, 4),), logging.getLogger("test")) == (
-        TreeSetting(2, 2, 4),)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    sliding = TargetRuntime(MistralForCausalLM(MistralConfig(sliding_window=16, **shape)), [1, 1, 2])
+    assert speculative.usable_trees(sliding, (TreeSetting(2, 2, 4),), logging.getLogger("test")) == ()
+    assert "sliding-window" in caplog.text
+    for static in (False, True):
+        usable = TargetRuntime(tiny_llama(layers=2, hidden=32), [1, 1, 2], static=static)
+        assert speculative.usable_trees(usable, (TreeSetting(2, 2, 4),), logging.getLogger("test")) == (
+            TreeSetting(2, 2, 4),)
 
 
-def test_smollm2_decodes_a_chat_prompt_losslessly_with_trees(smollm2):
-    """The SmolLM2 target decodes a chat prompt with a (random-weight) drafter's trees losslessly."""
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like"])
+def test_smollm2_decodes_a_chat_prompt_losslessly_with_trees(smollm2, monkeypatch, cache):
+    """The SmolLM2 target decodes a chat prompt with a (random-weight) drafter's trees losslessly, with the dynamic
+    and the static cache."""
     target, tokenizer = smollm2
+    reference_target = target
+    if cache != "dynamic":
+        target = static_runtime(target, monkeypatch, static_layers_crop=cache == "static")
     torch.manual_seed(0)
     drafter = Drafter(DrafterConfig.from_target(target.model.config, 512, [2, 15, 27]))
     drafter.t2d[:512] = True
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
     [(pid, ids)] = speculative.encode_prompts(tokenizer, [Prompt("p", [{"role": "user", "content": "Say hi."}])])
-    reference = speculative.greedy(target, ids, 12, set(), pid)
+    reference = speculative.greedy(reference_target, ids, 12, set(), pid)
     for setting in (TreeSetting(2, 2, 4), TreeSetting(3, 3, 8)):
         trace = tree_speculative(target, TreeDrafter(drafter.eval(), setting), ids, 12, set(), pid, setting.method())
         speculative.check_lossless(trace, reference)

@@ -125,15 +125,16 @@ class TargetRuntime:
     @torch.inference_mode()
     def forward_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft tree in one forward (eager, dynamic cache): `tokens` at rotary `positions`, token i attending to
-        every cached row and to the tokens j with `visible[i, j]` (its ancestors and itself). The mask goes in as
-        an additive float [1, 1, q, cached + q], which transformers 5.x passes through unchanged (a 4D mask
+        """A draft tree in one (uncompiled) forward: `tokens` at rotary `positions`, written after the cached rows
+        (a static cache: slots n..n+T-1), token i attending to every cached row and to the tokens j with
+        `visible[i, j]` (its ancestors and itself). The mask goes in as an additive float [1, 1, q, keys] (keys:
+        cached + q, or a static cache's capacity), which transformers 5.x passes through unchanged (a 4D mask
         counts as prepared) and which both the sdpa and the eager attention add to their scores."""
-        if self.static:
-            raise ValueError("tree verification needs the dynamic cache (the static one is not supported yet)")
-        cached = int(cache.get_seq_length())
-        allowed = torch.cat([torch.ones(len(tokens), cached, dtype=torch.bool, device=self.device),
-                             visible.to(self.device)], dim=1)
+        cached, count = int(cache.get_seq_length()), len(tokens)
+        keys = int(cache.get_max_length()) if self.static else cached + count
+        allowed = torch.zeros(count, keys, dtype=torch.bool, device=self.device)
+        allowed[:, :cached] = True
+        allowed[:, cached:cached + count] = visible.to(self.device)
         dtype = self.model.get_input_embeddings().weight.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
@@ -145,12 +146,25 @@ class TargetRuntime:
         return output.logits[0], aux
 
     @torch.inference_mode()
-    def keep_rows(self, cache: Any, rows: torch.Tensor) -> None:
+    def keep_rows(self, cache: Any, rows: list[int]) -> None:
         """Keep only the cached rows at indices `rows` (ascending), in that order: after a tree verify, the prefix
-        and the accepted path. Gathers each layer's keys and values (a dynamic cache; every transformers 5.x)."""
+        and the accepted path. A dynamic cache gathers each layer's keys and values (every transformers 5.x); a
+        static one copies the moved rows down in place (addresses stay: CUDA graphs) and rewinds its length."""
+        start = next((i for i, row in enumerate(rows) if row != i), len(rows))  # rows before stay where they are
+        if start == len(rows):
+            self.crop(cache, len(rows))
+            return
+        moved = torch.tensor(rows[start:], device=self.device)
         for layer in cache.layers:
-            layer.keys = layer.keys.index_select(-2, rows)
-            layer.values = layer.values.index_select(-2, rows)
+            if not self.static:
+                layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, moved)], dim=-2)
+                layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, moved)], dim=-2)
+                continue
+            slots = torch.arange(start, len(rows), device=self.device)
+            layer.keys.index_copy_(-2, slots, layer.keys.index_select(-2, moved))
+            layer.values.index_copy_(-2, slots, layer.values.index_select(-2, moved))
+        if self.static:
+            self.crop(cache, len(rows))
 
     @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:

@@ -12,7 +12,8 @@ its parent's and ties go to the earlier (shallower) candidate, so a kept node's 
 Verifying: one target forward over [root, nodes...] at positions n + depth, each attending to the cached prefix,
 the root and its own ancestors. The longest root-to-leaf path whose every token equals the target's argmax at its
 parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
-path, and the path's aux features go to the drafter.
+path (a static cache: the tree's rows were written at slots n..n+T-1 and the path's rows are moved down to
+n+1..), and the path's aux features go to the drafter.
 """
 
 from __future__ import annotations
@@ -85,8 +86,6 @@ def sglang_flags(method: str) -> str:
 
 def tree_problem(target: TargetRuntime) -> str | None:
     """Why trees cannot be verified on this target runtime, None when they can."""
-    if target.static:
-        return "the static (compiled) target cache does not verify trees yet"
     if has_sliding_layers(target.model):
         return "a sliding-window cache cannot drop a tree's rejected rows"
     return None
@@ -248,9 +247,8 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
         path, bonus = tree.accept(predictions)
         trace.accepted.append(len(path))
         trace.drafted.append(max(tree.depths))
-        rows = torch.tensor([0, *path], device=target.device)
-        target.keep_rows(cache, torch.cat([torch.arange(n, device=target.device), n + rows]))
-        features = torch.cat([features, aux[rows]])
+        target.keep_rows(cache, [*range(n), n, *(n + node for node in path)])
+        features = torch.cat([features, aux[[0, *path]]])
         for token in [tree.tokens[node - 1] for node in path] + [bonus]:
             context.append(token)
             trace.tokens.append(token)

@@ -60,7 +60,8 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     # Size the static caches for the longest prompt before the warm-up: a cache that grew during the run would
     # change the compiled steps' shapes, and their recompilation would be timed.
-    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + max(ks) + 1
+    widest = max([k + 1 for k in ks] + [tree.num_draft_tokens for tree in trees])  # tokens of one verify
+    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + widest
     target.new_cache(capacity)
     for propose, _ in methods.values():
         if isinstance(propose, DrafterProposer) and propose.static:
