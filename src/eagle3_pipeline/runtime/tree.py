@@ -32,6 +32,7 @@ from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, synchronize
+from eagle3_pipeline.workflow_config import tree_setting_problem
 
 METHOD_PATTERN = re.compile(r"^[\w-]+-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
 
@@ -44,17 +45,8 @@ class TreeSetting:
     num_draft_tokens: int
 
     def __post_init__(self) -> None:
-        candidates = self.topk + (self.num_steps - 1) * self.topk ** 2
-        if min(self.num_steps, self.topk) < 1 or self.num_draft_tokens < 2:
-            problem = "needs num_steps >= 1, topk >= 1 and num_draft_tokens >= 2"
-        elif self.num_draft_tokens - 1 > candidates:
-            problem = (f"keeps num_draft_tokens - 1 = {self.num_draft_tokens - 1} nodes but drafts only {candidates} "
-                       "(topk + (num_steps - 1) * topk^2)")
-        elif self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            problem = "with topk 1 is a chain: SGLang sets num_draft_tokens to num_steps + 1"
-        else:
-            return
-        raise ClearError(f"evaluate.tree: {self.as_dict()} {problem}")
+        if problem := tree_setting_problem(self.num_steps, self.topk, self.num_draft_tokens):
+            raise ClearError(f"evaluate.tree: {self.as_dict()} {problem}")
 
     def as_dict(self) -> dict[str, int]:
         return {"num_steps": self.num_steps, "topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
