@@ -145,6 +145,9 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
     link_max_seq_len(config)
+    for i, tree in enumerate((config.get("evaluate") or {}).get("tree") or []):
+        if problem := tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):
+            raise ConfigError(f"config key evaluate.tree[{i}]: {problem}")
     extract = config.get("extract") or {}
     if extract.get("backend") == "sglang":
         for key in ("aux_url", "final_url"):
@@ -152,6 +155,20 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
                 raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
     return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def tree_setting_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
+    """Why SGLang would not serve this draft-tree setting as given (None: it would); runtime/tree.py's settings
+    check the same rule."""
+    candidates = topk + (num_steps - 1) * topk ** 2
+    if min(num_steps, topk) < 1 or num_draft_tokens < 2:
+        return "needs num_steps >= 1, topk >= 1 and num_draft_tokens >= 2"
+    if num_draft_tokens - 1 > candidates:
+        return (f"keeps num_draft_tokens - 1 = {num_draft_tokens - 1} nodes but drafts only {candidates} "
+                "(topk + (num_steps - 1) * topk^2)")
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        return "with topk 1 is a chain: SGLang sets num_draft_tokens to num_steps + 1"
+    return None
 
 
 def link_max_seq_len(config: dict[str, Any]) -> None:

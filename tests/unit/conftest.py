@@ -53,3 +53,41 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
     vocab_path = tmp_path / "vocab.safetensors"
     draft_vocab_format.write(vocab_path, vocab_module.select(counts, draft_vocab))
     return target_dir, store, vocab_path
+
+
+def trained_tiny_drafter(tmp_path):
+    """A drafter trained (8 epochs, 3 TTT steps) on `tiny_target_with_store`'s motif data, exported and loaded as a
+    server would, with that target's runtime and store: (target runtime, drafter, store path)."""
+    from eagle3_pipeline.formats.target_dir import read_head
+    from eagle3_pipeline.runtime import drafting
+    from eagle3_pipeline.runtime.decode import TargetRuntime
+    from eagle3_pipeline.runtime.loading import load_model
+    from eagle3_pipeline.stages import export
+    from eagle3_pipeline.stages.train import TrainSettings
+    from eagle3_pipeline.training.loop import train
+    from eagle3_pipeline.workflow_config import schema_defaults
+
+    target_dir, store, vocab_path = tiny_target_with_store(tmp_path)
+    model = train([store], target_dir, vocab_path, tmp_path / "state",
+                  TrainSettings.from_config(schema_defaults("train") | dict(
+                      ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
+                      checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
+    export.export(model, tmp_path / "serving", dtype="float32")
+    embedding, _ = read_head(target_dir)
+    drafter = drafting.load_served(tmp_path / "serving", embedding=embedding.float())
+    target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
+    return target, drafter, store
+
+
+def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
+    """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
+    from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+    from eagle3_pipeline.runtime.loading import load_config
+    from eagle3_pipeline.stages import export
+
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(load_config(target_dir), draft_vocab_size, [2, 15, 27])
+    drafter = Drafter(config)
+    drafter.t2d[:draft_vocab_size] = True  # the draft vocab: the first ids (d2t stays 0)
+    export.export(drafter, out, dtype="float32")
+    return out

@@ -7,17 +7,14 @@ import logging
 import pytest
 import torch
 
-from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
-from eagle3_pipeline.stages import evaluate, evaluate_timing, export
-from eagle3_pipeline.stages.train import TrainSettings
-from eagle3_pipeline.training.loop import train
+from eagle3_pipeline.stages import evaluate, evaluate_timing
 from eagle3_pipeline.workflow_config import schema_defaults
-from tests.unit.conftest import tiny_target_with_store
+from tests.unit.conftest import smollm2_serving_dir, trained_tiny_drafter
 
 
 def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
@@ -43,17 +40,7 @@ def test_prompt_lookup_copies_what_followed_the_last_match():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("eval")
-    target_dir, store, vocab_path = tiny_target_with_store(tmp)
-    model = train([store], target_dir, vocab_path, tmp / "state",
-                  TrainSettings.from_config(schema_defaults("train") | dict(
-                      ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
-                      checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
-    export.export(model, tmp / "serving", dtype="float32")
-    embedding, _ = read_head(target_dir)
-    drafter = drafting.load_served(tmp / "serving", embedding=embedding.float())
-    target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
-    return target, drafter, store
+    return trained_tiny_drafter(tmp_path_factory.mktemp("eval"))
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])
@@ -152,31 +139,19 @@ def test_low_precision_counts_divergence_where_fp32_raises():
     assert summary["eagle3@k=2"]["tau"] == 6 / 3  # from the method's own run
 
 
-def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
-    """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
-    from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-    from eagle3_pipeline.runtime.loading import load_config
-
-    torch.manual_seed(seed)
-    config = DrafterConfig.from_target(load_config(target_dir), draft_vocab_size, [2, 15, 27])
-    drafter = Drafter(config)
-    drafter.t2d[:draft_vocab_size] = True  # the draft vocab: the first ids (d2t stays 0)
-    export.export(drafter, out, dtype="float32")
-    return out
-
-
 def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
     prompts = [Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
                Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
     settings = evaluate.Settings.from_config(schema_defaults("evaluate") | {
         "device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
-        "untrained_baseline": False, "workers": 1}, trust_remote_code=False)
+        "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}], "untrained_baseline": False, "workers": 1},
+        trust_remote_code=False)
     log = logging.getLogger("test")
     result = evaluate.run_job(target_dir, serving, prompts, settings, str(tmp_path / "log"), log,
                               tmp_path / "progress")
     tokens = {(t["prompt_id"], t["method"]): t["tokens"] for t in result["traces"]}
-    for method in ("eagle3@k=3", "prompt-lookup@k=3"):
+    for method in ("eagle3@k=3", "prompt-lookup@k=3", "eagle3-tree(steps=2,topk=2,tokens=4)"):
         diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
         assert result["summary"][method]["diverged_share"] == len(diverged) / 2
         assert set(result["summary"][method]["first_divergence"]) == diverged
@@ -187,12 +162,13 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])],
                    "b": [Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
     settings = evaluate_timing.Settings.from_config(schema_defaults("evaluate") | {
-        "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1, "max_new_tokens": 8}},
-        trust_remote_code=False)
+        "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1, "max_new_tokens": 8},
+        "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}]}, trust_remote_code=False)
     result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
     for speeds in result["sets"].values():
-        assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3"}
+        assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3",
+                               "eagle3-tree(steps=2,topk=2,tokens=4)"}
         assert speeds["target"]["speedup_vs_target"] == 1.0
         for method, speed in speeds.items():
             assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless

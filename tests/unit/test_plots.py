@@ -75,6 +75,20 @@ def test_the_csv_table_has_one_row_per_set_and_method(run_dir, tmp_path):
     assert untimed["tokens_per_s (timing pass)"] == "" and untimed["tau (tau pass)"] == "1.125"
 
 
+def test_eagle3_settings_carry_their_sglang_flags_in_the_csv_and_below_the_headline(tmp_path):
+    tree, flags = "eagle3-tree(steps=5,topk=4,tokens=8)", ("--speculative-num-steps 5 --speculative-eagle-topk 4 "
+                                                            "--speculative-num-draft-tokens 8")
+    summary = {"target": method(None), "prompt-lookup@k=2": method(1.2, [0.2, 0.1]),
+               tree: method(2.75, [0.9, 0.6]) | {"sglang_flags": flags}}
+    evaluations = {"mtbench-package": {"summary": summary}}
+    evaluation.write_tau_table(tmp_path / "tau.csv", evaluations, {})
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "tau.csv").open())}
+    assert rows[tree]["sglang_flags"] == flags and rows["prompt-lookup@k=2"]["sglang_flags"] == ""
+    table, _, below = plots.headline_table(evaluations, {}).partition("\n\n")
+    assert tree in table and "--speculative" not in table
+    assert below.splitlines()[1:] == [f"  {tree}: {flags}"]
+
+
 def png(path) -> np.ndarray:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return matplotlib.image.imread(str(path))[..., :3]

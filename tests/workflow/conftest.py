@@ -54,7 +54,8 @@ def tiny_run_sections(chats: Path, target_dir: Path) -> dict:
         train={"ttt_steps": 2, "epochs": 1, "batch_tokens": 512, "max_seq_len": 128, "warmup_steps": 1,
                "checkpoint_every": 5, "log_every": 1, "num_workers": 0, "threads": 2},
         evaluate={"prompts": ["mtbench-package", "held-out"], "max_prompts": 2, "max_new_tokens": 6,
-                  "draft_lengths": [2], "device": "cpu", "workers": 2,
+                  "draft_lengths": [2], "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}],
+                  "device": "cpu", "workers": 2,
                   "timing": {"prompts": 1, "max_new_tokens": 6}})
 
 

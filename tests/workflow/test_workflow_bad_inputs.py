@@ -68,6 +68,7 @@ def test_bom_surrogates_content_parts_and_a_giant_record_are_recovered(tmp_path,
     ("unknown_top_level_key", "colour", "unknown key"),
     ("relative_target_that_does_not_exist", "target.source", "not in the local Hugging Face cache"),
     ("template_file_missing", "target.chat_template", "neither a file nor a built-in"),
+    ("tree_keeping_more_than_it_drafts", "evaluate.tree[1]", "keeps num_draft_tokens - 1 = 8 nodes but drafts only 6"),
 ])
 def test_config_errors_are_a_few_lines_naming_the_key(tmp_path, case, key, hint):
     (tmp_path / "inputs").mkdir()
@@ -81,6 +82,9 @@ def test_config_errors_are_a_few_lines_naming_the_key(tmp_path, case, key, hint)
         config["colour"] = "blue"
     elif case == "relative_target_that_does_not_exist":
         config["target"]["source"] = "models/my-model"
+    elif case == "tree_keeping_more_than_it_drafts":
+        config["evaluate"]["tree"] = [{"num_steps": 3, "topk": 1, "num_draft_tokens": 4},
+                                      {"num_steps": 2, "topk": 2, "num_draft_tokens": 9}]
     else:
         config["target"]["chat_template"] = "templates/mine.jinja"
     env = os.environ | {"HF_HUB_OFFLINE": "1"}  # the cache answers; no hub lookup in a test

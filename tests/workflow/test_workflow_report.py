@@ -30,12 +30,24 @@ def acceptance_by_position_from_steps(traces: list[dict], k: int) -> list[float]
     return rates
 
 
+TREE = "eagle3-tree(steps=2,topk=2,tokens=4)"  # the tiny run's one tree setting
+
+
 def check_evaluation(evaluation: dict) -> None:
-    """tau and acceptance by position as the traces' tokens and per-step accepted counts give them."""
-    assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2"} <= set(evaluation["summary"])
+    """tau and acceptance by position as the traces' tokens and per-step accepted counts give them, for the chain
+    and the tree (whose `drafted` is the tree's depth)."""
+    assert {"target", "eagle3@k=2", "prompt-lookup@k=2", "eagle3-untrained@k=2", TREE} <= set(evaluation["summary"])
+    for method in ("eagle3@k=2", TREE):
+        check_method(evaluation, method)
+    assert evaluation["summary"][TREE]["sglang_flags"] == ("--speculative-num-steps 2 --speculative-eagle-topk 2 "
+                                                           "--speculative-num-draft-tokens 4")
+    assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
+
+
+def check_method(evaluation: dict, method: str) -> None:
     traces = {(t["prompt_id"], t["method"]): t for t in evaluation["traces"]}
-    eagle3 = [t for t in evaluation["traces"] if t["method"] == "eagle3@k=2"]
-    assert evaluation["summary"]["eagle3@k=2"]["tau"] == pytest.approx(
+    eagle3 = [t for t in evaluation["traces"] if t["method"] == method]
+    assert evaluation["summary"][method]["tau"] == pytest.approx(
         sum(len(t["tokens"]) for t in eagle3) / sum(t["target_forwards"] for t in eagle3))
     for trace in eagle3:  # fp32: lossless, so the traces are the target's own tokens
         assert trace["tokens"] == traces[trace["prompt_id"], "target"]["tokens"]
@@ -44,9 +56,8 @@ def check_evaluation(evaluation: dict) -> None:
         # only the last step may be cut short (end of turn, max_new_tokens)
         kept = [accepted + 1 for accepted in trace["accepted"]]
         assert 1 + sum(kept[:-1]) < len(trace["tokens"]) <= 1 + sum(kept) if kept else len(trace["tokens"]) == 1
-    assert evaluation["summary"]["eagle3@k=2"]["acceptance_by_position"] == pytest.approx(
+    assert evaluation["summary"][method]["acceptance_by_position"] == pytest.approx(
         acceptance_by_position_from_steps(eagle3, 2))
-    assert evaluation["workers"] == 2 and sum(t["method"] == "target" for t in evaluation["traces"]) == 2
 
 
 def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
@@ -57,14 +68,16 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
         check_evaluation(json.loads((results / "evaluation" / f"{prompt_set}.json").read_text()))
     timing = json.loads((results / "timing" / "timing.json").read_text())
     assert timing["pass"] == "timing" and set(timing["sets"]) == {"mtbench-package", "held-out"}
-    assert set(timing["sets"]["held-out"]) == {"target", "eagle3@k=2", "prompt-lookup@k=2"}
+    assert set(timing["sets"]["held-out"]) == {"target", "eagle3@k=2", "prompt-lookup@k=2", TREE}
     table = list(csv.DictReader((results / "report" / "tau_and_speedup.csv").open()))
     for row in table:  # tau from the tau pass, speeds from the timing pass, each named by its pass
         summary = json.loads((results / "evaluation" / f"{row['prompt_set']}.json").read_text())["summary"]
         assert float(row["tau (tau pass)"]) == pytest.approx(summary[row["method"]].get("tau", 1.0), abs=1e-3)
         speed = timing["sets"][row["prompt_set"]].get(row["method"])
         assert row["speedup_vs_target (timing pass)"] == (f"{speed['speedup_vs_target']:.3f}" if speed else "")
-    assert len(table) == 2 * 4
+    assert len(table) == 2 * 5
+    flags = {row["method"]: row["sglang_flags"] for row in table}
+    assert flags[TREE].startswith("--speculative-num-steps 2 ") and flags["prompt-lookup@k=2"] == ""
     parity = json.loads((results / "parity" / "hf.json").read_text())
     assert parity["passed"] and parity["aux_layer_ids"] == [2, 15, 27]
     estimate = json.loads((results / "train" / "summary.json").read_text())["heldout_estimate"]
@@ -91,7 +104,10 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     # what `make run` prints last: every prompt set and method with the tau and speedup of its JSON
     headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.stages.plots", "results/tiny"], cwd=tmp_path,
                               capture_output=True, text=True, check=True).stdout
-    lines = [line.split() for line in headline.splitlines()[2:]]
+    table_lines, _, flag_lines = headline.partition("\nSGLang settings")
+    lines = [line.split() for line in table_lines.splitlines()[2:] if line]
+    assert f"  {TREE}: --speculative-num-steps 2 --speculative-eagle-topk 2 --speculative-num-draft-tokens 4" in (
+        flag_lines.splitlines())
     for prompt_set in ("mtbench-package", "held-out"):
         summary = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())["summary"]
         shown = {line[1]: line for line in lines if line[0] == prompt_set}

@@ -5,7 +5,8 @@ Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_positio
 the per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
 speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompts}}}. The CSV has TAU_COLUMNS, one row
 per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run
-that method, e.g. the untrained baseline).
+that method, e.g. the untrained baseline), and for EAGLE-3 chains and trees the SGLang flags of that setting
+(the summary's `sglang_flags`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from eagle3_pipeline.formats.atomic import atomic_write
 TIMING_FILE = "timing/timing.json"  # under results/<run>/, written by the `evaluate_timing` rule
 TAU_COLUMNS = ("prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
                "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)", "draft_ms_per_step (timing pass)",
-               "verify_ms_per_step (timing pass)", "prompts (timing pass)")
+               "verify_ms_per_step (timing pass)", "prompts (timing pass)", "sglang_flags")
 
 
 class InvalidReport(ValueError):
@@ -67,7 +68,7 @@ def tau_rows(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> 
                        f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
                       if speed else [""] * 5)
             rows.append([name, method, f"{values.get('tau', 1.0):.3f}", f"{values.get('diverged_share', 0):.3f}",
-                         values["prompts"], *speeds])
+                         values["prompts"], *speeds, values.get("sglang_flags", "")])
     return rows
 
 

@@ -126,6 +126,50 @@ class TargetRuntime:
         return output.logits[0], aux
 
     @torch.inference_mode()
+    def forward_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft tree in one (uncompiled) forward: `tokens` at rotary `positions`, written after the cached rows
+        (a static cache: slots n..n+T-1), token i attending to every cached row and to the tokens j with
+        `visible[i, j]` (its ancestors and itself). The mask goes in as an additive float [1, 1, q, keys] (keys:
+        cached + q, or a static cache's capacity), which transformers 5.x passes through unchanged (a 4D mask
+        counts as prepared) and which both the sdpa and the eager attention add to their scores."""
+        cached, count = int(cache.get_seq_length()), len(tokens)
+        keys = int(cache.get_max_length()) if self.static else cached + count
+        allowed = torch.zeros(count, keys, dtype=torch.bool, device=self.device)
+        allowed[:, :cached] = True
+        allowed[:, cached:cached + count] = visible.to(self.device)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        ids = torch.tensor([tokens], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        output = self.model.forward(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                    **{self.cache_argument: cache})
+        aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
+        return output.logits[0], aux
+
+    @torch.inference_mode()
+    def keep_rows(self, cache: Any, rows: list[int]) -> None:
+        """Keep only the cached rows at indices `rows` (ascending), in that order: after a tree verify, the prefix
+        and the accepted path. A dynamic cache gathers each layer's keys and values (every transformers 5.x); a
+        static one copies the moved rows down in place (addresses stay: CUDA graphs) and rewinds its length."""
+        start = next((i for i, row in enumerate(rows) if row != i), len(rows))  # rows before stay where they are
+        if start == len(rows):
+            self.crop(cache, len(rows))
+            return
+        moved = torch.tensor(rows[start:], device=self.device)
+        for layer in cache.layers:
+            if not self.static:
+                layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, moved)], dim=-2)
+                layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, moved)], dim=-2)
+                continue
+            slots = torch.arange(start, len(rows), device=self.device)
+            layer.keys.index_copy_(-2, slots, layer.keys.index_select(-2, moved))
+            layer.values.index_copy_(-2, slots, layer.values.index_select(-2, moved))
+        if self.static:
+            self.crop(cache, len(rows))
+
+    @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
         extra = int(cache.get_seq_length()) - keep

@@ -54,6 +54,32 @@ class DrafterProposer:
         Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
         feature f_p) at position p; the first draft from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
+        ids, hidden, positions, new = self._real_rows(context, features, k)
+        width, last = ids.shape[1], torch.tensor([new - 1], device=self.device)
+        if self.captured is not None and width == k + 1:
+            try:
+                return self.captured(ids, hidden, positions, last, self.cache, k)
+            except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
+                if self.log is not None:
+                    self.log.warning("drafter chain CUDA graph failed (%s: %s); drafting eagerly",
+                                     type(exc).__name__, str(exc)[:300])
+                self.captured = None
+        drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden, positions, last, self.cache, k)
+        return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
+
+    @torch.inference_mode()
+    def extend(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the real rows not yet in the cache (real row p at position p); return the last real row's
+        draft-vocab logits [K] (the first draft's distribution) and its pre-norm hidden state [1, 1, H] - where
+        a draft tree starts. `k`: the draft length, for the static cache's padding width."""
+        ids, hidden, positions, new = self._real_rows(context, features, k)
+        logits, hidden, self.cache = self.drafter.decode(ids, hidden, positions, self.cache)
+        return logits[0, new - 1], hidden[:, new - 1:new]
+
+    def _real_rows(self, context: list[int], features: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The rows the drafter has not seen (ids [1,W], features [1,W,3H], positions [1,W]) and how many are
+        real: with a static cache padded to k + 1 (the cache reserved for them and the chain)."""
         n = features.shape[0]
         new = n - self.done
         width = k + 1 if self.static and new <= k + 1 else new
@@ -63,20 +89,10 @@ class DrafterProposer:
         hidden = features[self.done:n].to(self.device, self.drafter.fc.weight.dtype)
         if width > new:
             hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
-        last = torch.tensor([new - 1], device=self.device)
         if self.static:
             self._reserve(max(self.done + width, n + k))
         self.done = n
-        if self.captured is not None and width == k + 1:
-            try:
-                return self.captured(ids, hidden[None], positions, last, self.cache, k)
-            except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
-                if self.log is not None:
-                    self.log.warning("drafter chain CUDA graph failed (%s: %s); drafting eagerly",
-                                     type(exc).__name__, str(exc)[:300])
-                self.captured = None
-        drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden[None], positions, last, self.cache, k)
-        return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
+        return ids, hidden[None], positions, new
 
     def _reserve(self, rows: int) -> None:
         """A static cache of at least `rows` slots (powers of two: few sizes, few graphs)."""

@@ -10,13 +10,13 @@ where is reported instead.
 Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
 prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
 The drafter keeps its own KV cache of real (target-feature) rows; chain rows are dropped after each verify.
+Draft trees (`eagle3-tree(steps=..,topk=..,tokens=..)`, SGLang's settings) are drafted and verified in tree.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,33 +27,12 @@ from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.traces import Trace, synchronize
+from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting, sglang_flags, tree_problem, tree_speculative
 
 
 class LosslessViolation(AssertionError):
     pass
-
-
-@dataclass
-class Trace:
-    prompt_id: str
-    method: str
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
-    drafted: list[int] = field(default_factory=list)  # drafts proposed per verify step
-    target_forwards: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    total_seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Tokens per target forward after the prefill (the bonus token included)."""
-        return len(self.tokens) / max(self.target_forwards, 1)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def greedy(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
@@ -198,7 +177,7 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter],
                ks: list[int], max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None],
-               strict: bool = True) -> None:
+               strict: bool = True, trees: tuple[TreeSetting, ...] = ()) -> None:
     """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
     ...) as soon as the prompt is done. With `strict` (fp32), lossless is checked here; in low precision
     divergence is counted afterwards (`divergence`).
@@ -206,7 +185,7 @@ def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], dra
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table(drafters, ks, target.compiled, log)
+    methods = method_table(drafters, ks, target.compiled, log, usable_trees(target, trees, log))
     target.prepare(ks)
     progress = Progress(log, "prompts (all methods)", len(prompts))
     for pid, ids in encode_prompts(tokenizer, prompts):
@@ -219,29 +198,49 @@ def end_of_sequence(tokenizer: Any) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
-def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None
-                 ) -> dict[str, tuple[DraftFn, int]]:
-    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", ...): each with its proposer and k.
-    `compiled`: drafters decode with a static cache through a compiled step, like the target."""
-    methods: dict[str, tuple[DraftFn, int]] = {}
+Method = tuple[DraftFn | TreeDrafter, int]  # the proposer, and its draft length (a tree: its depth)
+
+
+def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None,
+                 trees: tuple[TreeSetting, ...] = ()) -> dict[str, Method]:
+    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", "eagle3-tree(steps=5,topk=4,tokens=8)",
+    ...): each with its proposer and k. `compiled`: chain drafters decode with a static cache through a compiled
+    step, like the target. Trees: the trained drafter only, one method per setting."""
+    methods: dict[str, Method] = {}
     for k in ks:
         methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
         for name, drafter in drafters.items():
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
             methods[f"{name}@k={k}"] = (DrafterProposer(drafter, compiled=compiled, log=log), k)
+    for setting in trees:
+        if "eagle3" in drafters:
+            methods[setting.method()] = (TreeDrafter(drafters["eagle3"], setting), setting.num_steps)
     return methods
 
 
-def decode_prompt(target: TargetRuntime, methods: dict[str, tuple[DraftFn, int]], prompt_id: str, ids: list[int],
+def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any) -> tuple[TreeSetting, ...]:
+    """The tree settings this target runtime can verify (none, with the reason logged, where it cannot)."""
+    problem = tree_problem(target) if trees else None
+    if problem:
+        log.warning("tree methods skipped: %s", problem)
+        return ()
+    return trees
+
+
+def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: str, ids: list[int],
                   max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
     """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`."""
     reference = greedy(target, ids, max_new, eos, prompt_id)
     finished = {"target": reference}
     for method, (propose, k) in methods.items():
-        if isinstance(propose, DrafterProposer):
+        if isinstance(propose, DrafterProposer | TreeDrafter):
             propose.reset()
-        finished[method] = trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
+        if isinstance(propose, TreeDrafter):
+            trace = tree_speculative(target, propose, ids, max_new, eos, prompt_id, method)
+        else:
+            trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
+        finished[method] = trace
         if strict:
             check_lossless(trace, reference)
     return finished
@@ -254,8 +253,11 @@ def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, 
     for method, traces in by_method.items():
         if method == "target":
             continue
-        k = int(method.rsplit("@k=", 1)[1])
+        tree = TreeSetting.from_method(method)
+        k = tree.num_steps if tree else int(method.rsplit("@k=", 1)[1])
         results[method] = summary = summarise(traces, k) | divergence(traces, reference_by_prompt)
+        if sglang_flags(method):
+            summary["sglang_flags"] = sglang_flags(method)
         log.info("%s: tau %.3f, acceptance by position %s; %d of %d prompts diverged from the target's greedy "
                  "output%s", method, summary["tau"], [round(a, 3) for a in summary["acceptance_by_position"]],
                  len(summary["first_divergence"]), len(traces),

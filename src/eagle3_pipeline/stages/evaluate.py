@@ -27,6 +27,7 @@ from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.devices import pick_device
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import Trace, decode_all, summarise_methods
+from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,20 @@ class Settings:
     workers: int
     compile: str | bool
     trust_remote_code: bool
+    trees: tuple[TreeSetting, ...]
 
     @classmethod
     def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
         return cls(max_prompts=section["max_prompts"], multi_turn=section["multi_turn"],
                    max_new_tokens=section["max_new_tokens"], draft_lengths=tuple(section["draft_lengths"]),
                    device=section["device"], dtype=section["dtype"], untrained_baseline=section["untrained_baseline"],
-                   workers=section["workers"], compile=section["compile"], trust_remote_code=trust_remote_code)
+                   workers=section["workers"], compile=section["compile"], trust_remote_code=trust_remote_code,
+                   trees=parse_settings(section["tree"]))
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> Settings:
-        return cls(**(values | {"draft_lengths": tuple(values["draft_lengths"])}))
+        return cls(**(values | {"draft_lengths": tuple(values["draft_lengths"]),
+                                "trees": parse_settings(values["trees"])}))
 
 
 def prompt_digest(prompt: Prompt) -> str:
@@ -65,6 +69,7 @@ def fingerprint(target_dir: Path, serving_dir: Path, settings: Settings) -> str:
         digest.update(path.name.encode() + path.read_bytes())
     defining = {key: getattr(settings, key)
                 for key in ("dtype", "max_new_tokens", "draft_lengths", "untrained_baseline")}
+    defining["trees"] = [tree.as_dict() for tree in settings.trees]
     digest.update(json.dumps(defining, sort_keys=True).encode())
     return digest.hexdigest()[:24]
 
@@ -123,7 +128,7 @@ def _decode(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
                                               settings.untrained_baseline, settings.compile,
                                               settings.trust_remote_code, log)
     decode_all(target, tokenizer, prompts, drafters, list(settings.draft_lengths), settings.max_new_tokens, log,
-               on_prompt=progress.appender(prompts), strict=settings.dtype == "float32")
+               on_prompt=progress.appender(prompts), strict=settings.dtype == "float32", trees=settings.trees)
 
 
 def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> None:
@@ -187,8 +192,9 @@ TAU_PASS_ABOUT = ("tau pass: tau, acceptance by position and divergence from eve
 def run(target_dir: Path, serving_dir: Path, prompt_file: Path, output: Path, settings: Settings, log_path: str,
         log: Any) -> dict[str, Any]:
     prompts = load_prompts(prompt_file, settings.max_prompts, settings.multi_turn)
-    log.info("evaluating %d prompts from %s on %s (%s), k in %s, %d worker process(es)", len(prompts),
-             prompt_file, settings.device, settings.dtype, list(settings.draft_lengths), settings.workers)
+    log.info("evaluating %d prompts from %s on %s (%s), k in %s, trees %s, %d worker process(es)", len(prompts),
+             prompt_file, settings.device, settings.dtype, list(settings.draft_lengths),
+             [tree.as_dict() for tree in settings.trees], settings.workers)
     progress_dir = output.with_name(output.name + ".progress")  # beside the output: kept when the job is killed
     results = run_job(target_dir, serving_dir, prompts, settings, log_path, log, progress_dir)
     results["prompt_file"] = str(prompt_file)

@@ -22,7 +22,9 @@ from eagle3_pipeline.runtime.speculative import (
     end_of_sequence,
     method_table,
     timing_summary,
+    usable_trees,
 )
+from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Settings:
     dtype: str
     compile: str | bool
     trust_remote_code: bool
+    trees: tuple[TreeSetting, ...]
 
     @classmethod
     def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
@@ -42,21 +45,23 @@ class Settings:
         return cls(prompts=timing["prompts"], max_new_tokens=timing["max_new_tokens"],
                    multi_turn=section["multi_turn"], draft_lengths=tuple(section["draft_lengths"]),
                    device=section["device"], dtype=section["dtype"], compile=section["compile"],
-                   trust_remote_code=trust_remote_code)
+                   trust_remote_code=trust_remote_code, trees=parse_settings(section["tree"]))
 
 
 def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
-                ks: list[int], max_new: int, strict: bool, log: Any) -> dict[str, dict[str, Any]]:
+                ks: list[int], max_new: int, strict: bool, log: Any, trees: tuple[TreeSetting, ...] = ()
+                ) -> dict[str, dict[str, Any]]:
     """Speeds, per prompt set and method, measured in this one process (run it with nothing else of ours on the
     device): every method on the same prompt back to back, after a warm-up run of every method that is not
     counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table({"eagle3": drafter}, ks, target.compiled, log)
+    methods = method_table({"eagle3": drafter}, ks, target.compiled, log, usable_trees(target, trees, log))
     target.prepare(ks)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     # Size the static caches for the longest prompt before the warm-up: a cache that grew during the run would
     # change the compiled steps' shapes, and their recompilation would be timed.
-    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + max(ks) + 1
+    widest = max([k + 1 for k in ks] + [tree.num_draft_tokens for tree in trees])  # tokens of one verify
+    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + widest
     target.new_cache(capacity)
     for propose, _ in methods.values():
         if isinstance(propose, DrafterProposer) and propose.static:
@@ -87,7 +92,7 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings.device, settings.dtype, False,
                                               settings.compile, settings.trust_remote_code, log, timing_pass=True)
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], list(settings.draft_lengths),
-                       settings.max_new_tokens, settings.dtype == "float32", log)
+                       settings.max_new_tokens, settings.dtype == "float32", log, settings.trees)
     return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings.device),
             "dtype": settings.dtype, "prompts_per_set": settings.prompts,
             "max_new_tokens": settings.max_new_tokens, "sets": sets}

@@ -71,12 +71,19 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
 
 
 def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
-    """The tau/speedup table as aligned text, for the terminal."""
-    rows = [list(TAU_COLUMNS)] + [[str(value) for value in row] for row in tau_rows(evaluations, timing)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TAU_COLUMNS))]
-    return "\n".join("  ".join(value.ljust(width) if i < 2 else value.rjust(width)
-                               for i, (value, width) in enumerate(zip(row, widths, strict=True))).rstrip()
-                     for row in rows)
+    """The tau/speedup table as aligned text, for the terminal; below it, the SGLang flags of every EAGLE-3
+    setting (chains and trees), ready to paste after `python -m sglang.launch_server`."""
+    table = tau_rows(evaluations, timing)
+    columns = len(TAU_COLUMNS) - 1  # the flags go below the table: they hold spaces
+    rows = [list(TAU_COLUMNS[:columns])] + [[str(value) for value in row[:columns]] for row in table]
+    widths = [max(len(row[i]) for row in rows) for i in range(columns)]
+    lines = ["  ".join(value.ljust(width) if i < 2 else value.rjust(width)
+                       for i, (value, width) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+    flags = {row[1]: row[-1] for row in table if row[-1]}
+    if flags:
+        lines += ["", "SGLang settings (--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR ...):"]
+        lines += [f"  {method}: {flag}" for method, flag in flags.items()]
+    return "\n".join(lines)
 
 
 def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:

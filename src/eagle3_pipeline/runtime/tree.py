@@ -1,0 +1,256 @@
+"""EAGLE-2/3 dynamic draft trees, drafted and verified as SGLang serves EAGLE-3 (`--speculative-num-steps`,
+`--speculative-eagle-topk`, `--speculative-num-draft-tokens`).
+
+Drafting (SGLang `draft_forward` / `select_top_k_tokens` / `organize_draft_results`): depth 1 is the top-`topk` of
+the first draft distribution (from the last real row). At each further depth the `topk` best nodes of the previous
+depth (by cumulative log-probability) are expanded, each with its top-`topk` children; a node's drafter row is fed
+its token at rotary position n-1+depth (the chain's rule) and attends to the real rows plus its own ancestors' rows.
+After `num_steps` depths the best `num_draft_tokens - 1` of all candidates are kept (`num_draft_tokens` counts the
+root: the target's own next token, which is verified with them). A child's cumulative log-probability is never above
+its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept.
+
+Verifying: one target forward over [root, nodes...] at positions n + depth, each attending to the cached prefix,
+the root and its own ancestors. The longest root-to-leaf path whose every token equals the target's argmax at its
+parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
+path (a static cache: the tree's rows were written at slots n..n+T-1 and the path's rows are moved down to
+n+1..), and the path's aux features go to the drafter.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_pipeline.drafter.attention import repeat_kv
+from eagle3_pipeline.drafter.model import Drafter
+from eagle3_pipeline.logs import ClearError
+from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
+from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.traces import Trace, synchronize
+from eagle3_pipeline.workflow_config import tree_setting_problem
+
+METHOD_PATTERN = re.compile(r"^[\w-]+-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
+
+
+@dataclass(frozen=True)
+class TreeSetting:
+    """One SGLang tree setting: depth, branching factor, verified tokens per step (the root included)."""
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self) -> None:
+        if problem := tree_setting_problem(self.num_steps, self.topk, self.num_draft_tokens):
+            raise ClearError(f"evaluate.tree: {self.as_dict()} {problem}")
+
+    def as_dict(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps, "topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
+
+    def method(self, drafter: str = "eagle3") -> str:
+        return f"{drafter}-tree(steps={self.num_steps},topk={self.topk},tokens={self.num_draft_tokens})"
+
+    @property
+    def sglang_flags(self) -> str:
+        return (f"--speculative-num-steps {self.num_steps} --speculative-eagle-topk {self.topk} "
+                f"--speculative-num-draft-tokens {self.num_draft_tokens}")
+
+    @classmethod
+    def from_method(cls, method: str) -> TreeSetting | None:
+        """The setting a tree method's name carries; None for other methods."""
+        match = METHOD_PATTERN.match(method)
+        return cls(int(match["steps"]), int(match["topk"]), int(match["tokens"])) if match else None
+
+
+def sglang_flags(method: str) -> str:
+    """SGLang's flags for an EAGLE-3 method of the report ("eagle3@k=4" is the topk-1 tree of depth 4); "" for
+    methods SGLang does not serve this way (prompt lookup, the untrained baseline)."""
+    if method.startswith("eagle3@k="):
+        k = int(method.rsplit("@k=", 1)[1])
+        return TreeSetting(k, 1, k + 1).sglang_flags
+    setting = TreeSetting.from_method(method) if method.startswith("eagle3-tree(") else None
+    return setting.sglang_flags if setting else ""
+
+
+def tree_problem(target: TargetRuntime) -> str | None:
+    """Why trees cannot be verified on this target runtime, None when they can."""
+    if has_sliding_layers(target.model):
+        return "a sliding-window cache cannot drop a tree's rejected rows"
+    return None
+
+
+@dataclass(frozen=True)
+class TreeKV:
+    """Drafter cache for one tree depth: the real rows and the tree rows so far; the new rows see the columns where
+    `visible` [new rows, cached + new rows] is true (the real rows, their ancestors' rows and their own)."""
+    keys: torch.Tensor  # [1, kv_heads, rows, head_dim]
+    values: torch.Tensor
+    visible: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, TreeKV]:
+        keys, values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        heads = q.shape[1]
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, heads), repeat_kv(values, heads),
+                                             attn_mask=self.visible)
+        return out, TreeKV(keys, values, self.visible)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Nodes 1..T-1 of a verify step (node 0 is the root): target ids, parent node, depth, in parent-first order."""
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]  # cumulative draft log-probability
+
+    def visible(self) -> torch.Tensor:
+        """[T, T]: node i sees node j when j is i or one of its ancestors (the root is everyone's)."""
+        size = len(self.tokens) + 1
+        seen = torch.eye(size, dtype=torch.bool)
+        for node, parent in enumerate(self.parents, start=1):
+            seen[node] |= seen[parent]  # parents come first, so their rows are complete
+        return seen
+
+    def accept(self, predictions: list[int]) -> tuple[list[int], int]:
+        """The longest path of nodes whose tokens equal the target's argmax at their parent, and the bonus token
+        (the argmax at the path's last node). Siblings hold distinct tokens (a top-k), so the path is unique."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents, start=1):
+            children.setdefault(parent, []).append(node)
+        path, node = [], 0
+        while (step := next((c for c in children.get(node, []) if self.tokens[c - 1] == predictions[node]),
+                            None)) is not None:
+            path.append(step)
+            node = step
+        return path, predictions[node]
+
+
+class TreeDrafter:
+    """Dynamic trees from an EAGLE-3 drafter; its cache of real rows is a DrafterProposer's (eager)."""
+
+    def __init__(self, drafter: Drafter, setting: TreeSetting):
+        self.proposer = DrafterProposer(drafter)
+        self.drafter = self.proposer.drafter
+        self.setting = setting
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    @torch.inference_mode()
+    def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
+        """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
+        topk, n = self.setting.topk, features.shape[0]
+        logits, hidden = self.proposer.extend(context, features, self.setting.num_steps)
+        scores, ids = torch.log_softmax(logits.float(), -1).topk(topk)
+        candidates = [(scores, ids, torch.full((topk,), -1, device=ids.device))]
+        frontier = Frontier(torch.arange(topk, device=ids.device), scores, ids, hidden.expand(1, topk, -1),
+                            torch.full((topk,), -1, device=ids.device))
+        cache = self.proposer.cache
+        keys, values = cache.keys, cache.values
+        seen = torch.zeros(0, 0, dtype=torch.bool, device=ids.device)  # tree row i sees tree row j
+        for depth in range(1, self.setting.num_steps):
+            seen, visible = frontier.rows_seen(seen, keys.shape[2])
+            positions = torch.full((1, topk), n - 1 + depth, device=ids.device)
+            tokens = self.drafter.draft_to_target(frontier.ids)[None]
+            logits, hidden, cache = self.drafter.decode(tokens, frontier.hidden, positions,
+                                                        TreeKV(keys, values, visible))
+            keys, values = cache.keys, cache.values
+            child_scores, child_ids = torch.log_softmax(logits[0].float(), -1).topk(topk, dim=-1)
+            child_scores = (frontier.scores[:, None] + child_scores).flatten()
+            first = sum(len(c[0]) for c in candidates)
+            candidates.append((child_scores, child_ids.flatten(), frontier.index.repeat_interleave(topk)))
+            frontier = frontier.expanded(child_scores, child_ids.flatten(), hidden, first, seen.shape[0] - topk)
+        return self._keep_best(candidates)
+
+    def _keep_best(self, candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> DraftTree:
+        """The best num_draft_tokens - 1 candidates by cumulative log-probability, in candidate (parent-first)
+        order; ties go to the earlier candidate (a stable sort), so a node never comes without its parent."""
+        scores, ids, parents = (torch.cat(parts) for parts in zip(*candidates, strict=True))
+        best = torch.sort(scores, descending=True, stable=True).indices[: self.setting.num_draft_tokens - 1]
+        kept = best.sort().values
+        # one device-to-host copy for the whole tree (float64 holds every token id exactly)
+        columns = [kept, parents[kept], self.drafter.draft_to_target(ids[kept]), scores[kept]]
+        kept_list, parent_list, tokens, kept_scores = torch.stack([c.double() for c in columns]).tolist()
+        node_of = {int(candidate): node for node, candidate in enumerate(kept_list, start=1)} | {-1: 0}
+        topk = self.setting.topk
+        depths = [1 if c < topk else 2 + (int(c) - topk) // topk ** 2 for c in kept_list]
+        return DraftTree([int(t) for t in tokens], [node_of[int(p)] for p in parent_list], depths, kept_scores)
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The nodes expanded at the next depth: candidate index, cumulative log-probability, draft-vocab id, the
+    hidden state their rows are fed (their parent row's output) and their parent's tree row (-1: the real rows)."""
+    index: torch.Tensor
+    scores: torch.Tensor
+    ids: torch.Tensor
+    hidden: torch.Tensor  # [1, topk, H]
+    parent_row: torch.Tensor
+
+    def rows_seen(self, seen: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this frontier's rows to `seen` (each sees its parent's row's ancestors and itself); also the
+        attention mask of the new rows over every drafter row [topk, cached + topk]."""
+        rows, topk = seen.shape[0], len(self.index)
+        padded = torch.cat([seen, torch.zeros(1, rows, dtype=torch.bool, device=seen.device)])  # row -1: none
+        new = torch.cat([padded[self.parent_row], torch.eye(topk, dtype=torch.bool, device=seen.device)], dim=1)
+        grown = torch.cat([torch.cat([seen, torch.zeros(rows, topk, dtype=torch.bool, device=seen.device)], dim=1),
+                           new])
+        real = torch.ones(topk, cached - rows, dtype=torch.bool, device=seen.device)
+        return grown, torch.cat([real, new], dim=1)
+
+    def expanded(self, child_scores: torch.Tensor, child_ids: torch.Tensor, hidden: torch.Tensor, first: int,
+                 rows: int) -> Frontier:
+        """The next depth's frontier: the best `topk` children (stable: ties go to the earlier child). `first`:
+        their candidate index offset; `rows`: the tree row of this depth's first node."""
+        topk = len(self.index)
+        best = torch.sort(child_scores, descending=True, stable=True).indices[:topk]
+        return Frontier(first + best, child_scores[best], child_ids[best], hidden[:, best // topk],
+                        rows + best // topk)
+
+
+def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: list[int], max_new: int,
+                     eos: set[int], prompt_id: str, method: str) -> Trace:
+    """Decode with draft trees: per verify step one drafted tree, one target forward, the accepted path plus the
+    bonus token. `accepted`: path length per step; `drafted`: the tree's depth (the longest path it offered)."""
+    trace = Trace(prompt_id, method, [])
+    start = time.perf_counter()
+    cache = target.new_cache(len(prompt_ids) + max_new + drafter.setting.num_draft_tokens)
+    logits, features = target.forward(prompt_ids, cache)
+    context = list(prompt_ids) + [int(logits[-1].argmax())]
+    trace.tokens.append(context[-1])
+    while len(trace.tokens) < max_new and context[-1] not in eos:
+        n = len(context) - 1  # rows the target has seen
+        tick = time.perf_counter()
+        tree = drafter.draft(context, features)
+        synchronize(target.device)
+        middle = time.perf_counter()
+        logits, aux = target.forward_tree([context[-1]] + tree.tokens, [n + d for d in [0, *tree.depths]],
+                                          tree.visible(), cache)
+        predictions = logits.argmax(-1).tolist()
+        synchronize(target.device)
+        trace.draft_seconds += middle - tick
+        trace.verify_seconds += time.perf_counter() - middle
+        trace.target_forwards += 1
+        path, bonus = tree.accept(predictions)
+        trace.accepted.append(len(path))
+        trace.drafted.append(max(tree.depths))
+        target.keep_rows(cache, [*range(n), n, *(n + node for node in path)])
+        features = torch.cat([features, aux[[0, *path]]])
+        for token in [tree.tokens[node - 1] for node in path] + [bonus]:
+            context.append(token)
+            trace.tokens.append(token)
+            if token in eos:
+                break
+    trace.tokens = trace.tokens[:max_new]
+    trace.total_seconds = time.perf_counter() - start
+    return trace
+
+
+def parse_settings(entries: list[dict[str, Any]]) -> tuple[TreeSetting, ...]:
+    """`evaluate.tree` entries as settings (checked: ClearError naming a setting SGLang would not run as given)."""
+    return tuple(TreeSetting(int(e["num_steps"]), int(e["topk"]), int(e["num_draft_tokens"])) for e in entries)
