@@ -14,6 +14,9 @@
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
 #             The second run's overlays are $SECOND; resumable across calls like compare. BENCH_DECODE=1 runs
 #             bench_decode.py (bf16) on the last GPU while the data stage runs on GPU 0.
+#   sequel    one GPU: the example (+ $FIRST overlays) through its report, then the same trained drafter evaluated
+#             again under $SECOND overlays (e.g. bf16) in a hard-linked copy of the run; BENCH_DECODE=1 then runs
+#             bench_decode.py when time is left; resumable across calls like compare.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
@@ -120,6 +123,32 @@ case $stage in
       # the copied files have no Snakemake metadata under the second run's paths: judge them by time stamps
       (export CUDA_VISIBLE_DEVICES=$last_gpu; pipeline "$second_name" "${second[@]}" --rerun-triggers mtime) &
       wait
+    fi
+    ;;
+  sequel)
+    # one GPU: the example (+ $FIRST overlays) to its report, then the SAME drafter evaluated again under
+    # $SECOND (e.g. bf16): its run directory is a hard-linked copy of the first (nothing retrained)
+    read -ra first <<< "${FIRST:-}"
+    first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
+    for overlays in "${first[*]}" "${second[*]}"; do
+      snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
+    done
+    snakemake_for "${first[@]}"
+    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    pipeline "$first_name" "${first[@]}"
+    if [ ! -d "results/$second_name" ] && "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
+      mkdir -p "results/$second_name"
+      for entry in results/$first_name/*; do
+        case $(basename "$entry") in evaluation|timing|report|reports) ;;
+          *) cp -al "$entry" "results/$second_name/" ;; esac
+      done
+    fi
+    [ -d "results/$second_name" ] && pipeline "$second_name" "${second[@]}" --rerun-triggers mtime
+    if [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && [ ! -e "$out/bench_decode.txt" ]; then
+      timeout $((deadline - SECONDS - 20)) python3 benchmarks/bench_decode.py \
+        --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompts 3 --max-new 64 --dtypes bfloat16 \
+        --tau 2.1 > "$out/bench_decode.txt" 2>&1
+      grep -v Warning "$out/bench_decode.txt" | tail -8
     fi
     ;;
   benches)
