@@ -192,19 +192,19 @@ def test_a_262k_vocabulary_never_makes_full_vocabulary_logits():
         tiny_family_config("gemma3", vocab_size=262144, hidden_size=16, num_hidden_layers=2)).eval()
     head = target.get_output_embeddings().weight.detach()
     with torch.no_grad():
-        last = target.model(torch.randint(0, 262144, (2, 256))).last_hidden_state  # 512 tokens
-    expected = torch.cat([(rows @ head.T).argmax(-1) for rows in last.reshape(-1, 16).split(32)]).reshape(2, 256)
+        last = target.model(torch.randint(0, 262144, (1, 256))).last_hidden_state  # 256 tokens
+    expected = torch.cat([(rows @ head.T).argmax(-1) for rows in last.reshape(-1, 16).split(64)]).reshape(1, 256)
     draft_ids = torch.unique(torch.cat([expected[0, :100], torch.arange(5, 262144, 331)]))  # some argmaxes inside
-    budget = 1 << 20  # logit elements per chunk: 2048 rows of 512 tokens
+    budget = 1 << 19  # logit elements per chunk: 2048 rows of 256 tokens
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         probs, argmax_in_draft = Teacher(head, draft_ids, chunk_elements=budget)(last)
         greedy = target_argmax(last, head, budget)
     largest = max(event.cpu_memory_usage for event in profiler.events())
-    assert largest <= 512 * 2048 * 4 < 512 * 262144 * 4 // 100
+    assert largest <= 256 * 2048 * 4 < 256 * 262144 * 4 // 100
     assert torch.equal(greedy, expected)
     in_draft = torch.zeros(262144, dtype=torch.bool)
     in_draft[draft_ids] = True
-    assert torch.equal(argmax_in_draft, in_draft[expected]) and 0 < argmax_in_draft.sum() < 512
+    assert torch.equal(argmax_in_draft, in_draft[expected]) and 0 < argmax_in_draft.sum() < 256
     torch.testing.assert_close(probs, torch.softmax(last @ head[draft_ids].T, -1))
 
 
