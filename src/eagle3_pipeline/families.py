@@ -82,7 +82,6 @@ def target_support_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-
 def final_logit_softcap(config: dict[str, Any]) -> float | None:
     """The target's `final_logit_softcapping` (Gemma 2: 30): its logits are cap * tanh(logits / cap), so the
     teacher's distribution must be too. The served drafter's own logits are not softcapped: neither engine's Eagle3
