@@ -55,7 +55,7 @@ def tiny_family_target(path: Path, family: str, smollm2_dir: Path, likely_ids: l
             shutil.copy(file, path / file.name)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_family_config(family, **SIZES))
-    with torch.no_grad():  # (tied in Gemma: the input rows shrink too, and stay distinct)
+    with torch.no_grad():  # (tied in Gemma: the same input rows grow too)
         head = model.get_output_embeddings().weight
         head[likely_ids] *= 100
     model.save_pretrained(path)
