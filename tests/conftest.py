@@ -155,6 +155,29 @@ def tiny_family_config(family: str, **sizes):
     raise ValueError(family)
 
 
+def eagle3_loader_problems(served: dict, drafter) -> list[str]:
+    """How SGLang's or vLLM's Eagle3 Llama loader would read an exported config.json (`served`) differently from the
+    drafter it should serve (a DrafterConfig), by the field lists in tests/data/eagle3_loader_fields.json."""
+    engines = json.loads((DATA / "eagle3_loader_fields.json").read_text())
+    problems = []
+    for engine in ("sglang", "vllm"):
+        for key, rule in engines[engine]["fields"].items():
+            section, _, name = key.rpartition(".")
+            holder = served.get(section, {}) if section else served
+            if name not in holder and rule.get("required"):
+                problems.append(f"{engine}: {key} is missing")
+                continue
+            value = holder.get(name, rule.get("default"))
+            expected = rule["expect"]
+            if isinstance(expected, str) and expected.startswith("drafter."):
+                attribute, _, minus = expected.removeprefix("drafter.").partition(" - ")
+                expected = getattr(drafter, attribute)
+                expected = [i - int(minus) for i in expected] if minus else expected
+            if value != expected:
+                problems.append(f"{engine}: {key} reads as {value!r}, the drafter needs {expected!r}")
+    return problems
+
+
 def flip_bytes_inside_a_chunk(array_dir: Path, shard: int, chunks_per_shard: int, chunk_in_file: int | None = None,
                               count: int = 64) -> int:
     """Invert `count` bytes in the middle of a stored chunk of zarr shard file `shard` (by default the chunk

@@ -81,3 +81,10 @@ def target_support_problem(config: dict[str, Any]) -> str | None:
         return f"model_type {family!r}: {exc}"
     return None
 
+
+def final_logit_softcap(config: dict[str, Any]) -> float | None:
+    """The target's `final_logit_softcapping` (Gemma 2: 30): its logits are cap * tanh(logits / cap), so the
+    teacher's distribution must be too. The served drafter's own logits are not softcapped: neither engine's Eagle3
+    Llama drafter is given the field (the export leaves it out), and an argmax does not change under it."""
+    cap = text_config(config).get("final_logit_softcapping")
+    return float(cap) if cap else None

@@ -6,16 +6,22 @@ positions, and the served config carries what SGLang's/vLLM's Eagle3 Llama loade
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from eagle3_pipeline import vocab
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, UnsupportedTarget
-from eagle3_pipeline.families import target_support_problem
+from eagle3_pipeline.drafter.objective import Teacher, target_argmax
+from eagle3_pipeline.families import final_logit_softcap, target_support_problem
+from eagle3_pipeline.formats import draft_vocab
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.stages import export
+from eagle3_pipeline.training.loop import build_drafter, build_teacher
 from tests.conftest import TINY_FAMILY_SIZES as TINY
-from tests.conftest import tiny_family_config
+from tests.conftest import eagle3_loader_problems, tiny_family_config
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3", "phi3"]
 
@@ -43,6 +49,7 @@ def test_drafter_follows_each_family(family):
     torch.testing.assert_close(own_sin[:, 0], sin, rtol=1e-5, atol=1e-5)
 
     served = export.serving_config(drafter_config, "bfloat16")
+    assert eagle3_loader_problems(served, drafter_config) == []
     assert served["architectures"] == ["LlamaForCausalLMEagle3"] and served["head_dim"] == drafter_config.head_dim
     assert served["attention_bias"] is False and served["hidden_act"] == "silu"
     assert served["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
@@ -127,3 +134,91 @@ def test_unsupported_targets_are_named_in_one_line(change, named):
     assert named in problem and "\n" not in problem
     with pytest.raises(UnsupportedTarget, match="model_type"):
         DrafterConfig.from_target(config, 50, [1, 1, 2])
+
+
+def test_the_loader_field_check_names_what_an_engine_would_misread():
+    """The export check can fail: a served config without head_dim, or with the target's softcap, reads wrongly."""
+    drafter_config = DrafterConfig.from_target(tiny_family_config("qwen3"), 100, [1, 2, 2])
+    served = export.serving_config(drafter_config, "bfloat16")
+    del served["head_dim"]  # the engines would derive hidden / heads = 8, not Qwen3's 16
+    served["final_logit_softcapping"] = 30.0  # SGLang's logits processor would softcap the drafter's logits
+    del served["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert eagle3_loader_problems(served, drafter_config) == [
+        "sglang: head_dim reads as None, the drafter needs 16",
+        "sglang: final_logit_softcapping reads as 30.0, the drafter needs None",
+        "sglang: eagle_config.eagle_aux_hidden_state_layer_ids is missing",
+        "vllm: head_dim reads as None, the drafter needs 16"]
+
+
+def saved_target(path, family: str, scale: float = 1.0, **sizes) -> transformers.PreTrainedModel:
+    """A tiny random `family` model saved as a target directory (config.json + safetensors); its output head
+    (tied to the embedding in Gemma) scaled by `scale` for confident logits."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_family_config(family, **sizes)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    model.save_pretrained(path)
+    return model
+
+
+def test_gemma2_teacher_is_the_softcapped_target_distribution(tmp_path):
+    """Gemma 2 softcaps its logits (30 tanh(x / 30)); the teacher training builds from the target directory gives the
+    target's own distribution over the draft vocab, which an uncapped softmax does not."""
+    target = saved_target(tmp_path, "gemma2", scale=300.0)
+    assert final_logit_softcap(target.config.to_dict()) == 30.0
+    drafter = Drafter(DrafterConfig.from_target(target.config, 100, [1, 1, 1]))  # draft ids 0..99 (d2t zeros)
+    teacher = build_teacher(tmp_path, drafter, torch.device("cpu"))
+    ids = torch.randint(0, 320, (2, 12))
+    with torch.no_grad():
+        last = target.model(ids).last_hidden_state
+        target_logits = target(ids).logits  # transformers' Gemma 2 applies the softcap
+    assert target_logits.abs().max() < 30 < (last @ target.lm_head.weight.T).abs().max()  # the cap is in play
+    probs, argmax_in_draft = teacher(last)
+    torch.testing.assert_close(probs, torch.softmax(target_logits[..., :100], -1), rtol=1e-4, atol=1e-6)
+    assert torch.equal(argmax_in_draft, target_logits.argmax(-1) < 100)
+    uncapped, _ = Teacher(teacher.lm_head, teacher.draft_ids)(last)
+    assert not torch.allclose(uncapped, probs, rtol=1e-2, atol=1e-3)
+    assert [final_logit_softcap(tiny_family_config(f).to_dict()) for f in ("gemma3", "llama3")] == [None, None]
+
+
+def test_a_262k_vocabulary_never_makes_full_vocabulary_logits():
+    """Gemma 3's 262,144-token vocabulary: the teacher's argmax over the whole vocabulary (and the held-out
+    estimate's greedy token, the same function) runs over chunks of rows: no [tokens, V] tensor is allocated,
+    and the results equal the plain computation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    target = transformers.AutoModelForCausalLM.from_config(
+        tiny_family_config("gemma3", vocab_size=262144, hidden_size=16, num_hidden_layers=2)).eval()
+    head = target.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        last = target.model(torch.randint(0, 262144, (1, 256))).last_hidden_state  # 256 tokens
+    expected = torch.cat([(rows @ head.T).argmax(-1) for rows in last.reshape(-1, 16).split(64)]).reshape(1, 256)
+    draft_ids = torch.unique(torch.cat([expected[0, :100], torch.arange(5, 262144, 331)]))  # some argmaxes inside
+    budget = 1 << 19  # logit elements per chunk: 2048 rows of 256 tokens
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        probs, argmax_in_draft = Teacher(head, draft_ids, chunk_elements=budget)(last)
+        greedy = target_argmax(last, head, budget)
+    largest = max(event.cpu_memory_usage for event in profiler.events())
+    assert largest <= 256 * 2048 * 4 < 256 * 262144 * 4 // 100
+    assert torch.equal(greedy, expected)
+    in_draft = torch.zeros(262144, dtype=torch.bool)
+    in_draft[draft_ids] = True
+    assert torch.equal(argmax_in_draft, in_draft[expected]) and 0 < argmax_in_draft.sum() < 256
+    torch.testing.assert_close(probs, torch.softmax(last @ head[draft_ids].T, -1))
+
+
+def test_the_drafter_embeds_with_the_raw_rows_as_the_engines_hand_them(tmp_path):
+    """Gemma scales its input embeddings by sqrt(hidden) inside the model; SGLang hands the drafter the raw
+    embed_tokens weight and vLLM shares the target's embed_tokens module (the scale is applied in the model's
+    forward), so the drafter embeds unscaled rows - in training (build_drafter) and evaluation (read_head)."""
+    target = saved_target(tmp_path, "gemma3")
+    raw = target.model.embed_tokens.weight.detach()
+    ids = torch.arange(10)
+    with torch.no_grad():
+        torch.testing.assert_close(target.get_input_embeddings()(ids), raw[ids] * 32 ** 0.5)  # what the target adds
+    embedding, _ = read_head(tmp_path)
+    assert torch.equal(embedding, raw)
+    draft_vocab.write(tmp_path / "vocab.safetensors", vocab.select(np.arange(320, dtype=np.int64), 50))
+    drafter = build_drafter(tmp_path, tmp_path / "vocab.safetensors", [1, 1, 1], seed=0)
+    assert torch.equal(drafter.embed_tokens.weight, raw)

@@ -2,9 +2,10 @@
 
 Targets: at step k the drafter sees token x[t+1+k] and (step 0) the target's aux features at t, or (k>0)
 its own previous output, and must match the target's distribution at position t+1+k, i.e. predict
-x[t+2+k]. The teacher is the frozen target lm_head applied to the stored post-norm final state,
-restricted (renormalised) to the draft vocab. A position counts when the predicted token is an
-assistant token and the teacher's full-vocab argmax lies inside the draft vocab.
+x[t+2+k]. The teacher is the frozen target lm_head applied to the stored post-norm final state
+(softcapped where the target softcaps its logits), restricted (renormalised) to the draft vocab. A position
+counts when the predicted token is an assistant token and the teacher's full-vocab argmax lies inside the
+draft vocab.
 """
 
 from __future__ import annotations
@@ -25,21 +26,62 @@ def shift_left(x: torch.Tensor, by: int, fill: float | int | bool = 0) -> torch.
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-class Teacher:
-    """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft."""
+# Logit elements one vocabulary chunk may hold ([tokens, rows]): the full [tokens, V] logits of Gemma's 262k
+# vocabulary at 16k tokens per batch would be 8 GiB in bf16, on top of the target head itself.
+LOGIT_CHUNK_ELEMENTS = 1 << 26
+MIN_CHUNK_ROWS = 1024
 
-    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor):
+
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap): Gemma 2's `final_logit_softcapping`, applied as the target applies it."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+@torch.no_grad()
+def target_argmax(last: torch.Tensor, lm_head: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS
+                  ) -> torch.Tensor:
+    """argmax over the whole vocabulary of `last @ lm_head.T` ([..., H] -> [...]), computed over chunks of
+    vocabulary rows so that [tokens, V] logits never exist; the first index wins a tie, as in `argmax`.
+    A softcap is monotone, so the argmax is the softcapped target's too."""
+    flat = last.reshape(-1, last.shape[-1]).to(lm_head.dtype)
+    rows = max(chunk_elements // max(flat.shape[0], 1), MIN_CHUNK_ROWS)
+    best_value = best_index = None
+    for start in range(0, lm_head.shape[0], rows):
+        logits = flat @ lm_head[start: start + rows].T
+        index = logits.argmax(-1, keepdim=True)
+        value = logits.gather(-1, index)[:, 0]
+        if best_value is None:
+            best_value, best_index = value, index[:, 0] + start
+            continue
+        better = value > best_value  # strictly: an earlier chunk keeps a tie
+        best_value = torch.where(better, value, best_value)
+        best_index = torch.where(better, index[:, 0] + start, best_index)
+    return best_index.reshape(last.shape[:-1])
+
+
+class Teacher:
+    """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft.
+
+    Only the draft vocabulary's rows make logits that are kept ([B, T, K]); the full-vocabulary argmax runs over
+    chunks (`target_argmax`). `softcap` is the target's `final_logit_softcapping` (Gemma 2): the target's
+    distribution is the softmax of its softcapped logits, so the teacher's is too."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, softcap: float | None = None,
+                 chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         self.lm_head = lm_head  # [V, H]
+        self.chunk_elements = chunk_elements
         self.draft_ids = draft_ids  # [K]
+        self.draft_head = lm_head[draft_ids]  # [K, H]
+        self.softcap = softcap
         self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
         self.in_draft[draft_ids] = True
 
     @torch.no_grad()
     def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = last.to(self.lm_head.dtype) @ self.lm_head.T  # [B,T,V]
-        argmax_in_draft = self.in_draft[logits.argmax(-1)]
-        probs = torch.softmax(logits[..., self.draft_ids].float(), dim=-1)
-        return probs, argmax_in_draft
+        last = last.to(self.lm_head.dtype)
+        argmax_in_draft = self.in_draft[target_argmax(last, self.lm_head, self.chunk_elements)]
+        logits = softcapped((last @ self.draft_head.T).float(), self.softcap)  # [B,T,K]
+        return torch.softmax(logits, dim=-1), argmax_in_draft
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,

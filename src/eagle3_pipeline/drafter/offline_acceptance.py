@@ -22,7 +22,7 @@ import torch
 
 from eagle3_pipeline.drafter.attention import TTTKV, TTTKernel, explicit_ttt_attention
 from eagle3_pipeline.drafter.model import Drafter
-from eagle3_pipeline.drafter.objective import shift_left
+from eagle3_pipeline.drafter.objective import shift_left, target_argmax
 
 
 @dataclass
@@ -42,7 +42,7 @@ def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, tor
     """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps])."""
     ids, valid = batch["input_ids"], batch["valid"]
     batch_size, length = ids.shape
-    greedy = (batch["last"].to(lm_head.dtype) @ lm_head.T).argmax(-1)  # the target's next token at every t
+    greedy = target_argmax(batch["last"], lm_head)  # the target's next token at every t (softcap: same argmax)
     positions = torch.arange(length, device=ids.device).expand(batch_size, length)
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)

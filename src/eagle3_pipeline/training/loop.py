@@ -17,8 +17,9 @@ from eagle3_pipeline.drafter.attention import choose_ttt_attention
 from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
+from eagle3_pipeline.families import final_logit_softcap
 from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state
-from eagle3_pipeline.formats.target_dir import read_head
+from eagle3_pipeline.formats.target_dir import read_config, read_head
 from eagle3_pipeline.runtime.devices import process_device
 from eagle3_pipeline.training.resume import (
     resumable_checkpoint,
@@ -51,6 +52,14 @@ def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], 
         model.d2t.copy_(torch.from_numpy(draft.d2t))
         model.t2d.copy_(torch.from_numpy(draft.t2d))
     return model
+
+
+def build_teacher(target_dir: Path, model: Drafter, device: torch.device) -> Teacher:
+    """The target's lm_head over the drafter's vocab, softcapped as the target softcaps its logits (Gemma 2)."""
+    _, lm_head = read_head(target_dir)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=device))
+    return Teacher(lm_head.to(device, dtype), draft_ids, final_logit_softcap(read_config(target_dir)))
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
@@ -115,10 +124,7 @@ def set_up(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_di
     model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
                           settings.drafter_intermediate_size).to(device)
     attention = choose_ttt_attention(settings.attention, device, log)
-    _, lm_head = read_head(target_dir)
-    teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    teacher = Teacher(lm_head.to(device, teacher_dtype), model.draft_to_target(
-        torch.arange(model.config.draft_vocab_size, device=device)))
+    teacher = build_teacher(target_dir, model, device)
     schedule = BatchSchedule(store_paths, settings)
     steps_total = len(schedule) // world
     if settings.max_steps:
