@@ -57,6 +57,24 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
   fi
 }
 
+two_runs() {  # the first run ($FIRST overlays) and the second ($SECOND): names, locks left by a stopped call, plan
+  read -ra first <<< "${FIRST:-}"
+  first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
+  for overlays in "${first[*]}" "${second[*]}"; do
+    snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
+  done
+  snakemake_for "${first[@]}"  # $cmd is the first run's from here
+  "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+}
+
+link_run() {  # link_run FROM TO SKIPPED...: results/FROM's entries but SKIPPED as hard links in results/TO (no disk)
+  local from=$1 to=$2 entry; shift 2
+  mkdir -p "results/$to"
+  for entry in results/$from/*; do
+    [[ " $* " == *" $(basename "$entry") "* ]] || cp -al "$entry" "results/$to/"
+  done
+}
+
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
   for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
@@ -93,13 +111,7 @@ case $stage in
     pipeline "$second_name" "${second[@]}"
     ;;
   pair)
-    read -ra first <<< "${FIRST:-}"
-    first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
-    for overlays in "${first[*]}" "${second[*]}"; do
-      snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
-    done
-    snakemake_for "${first[@]}"
-    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    two_runs
     if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
       # BENCH_DECODE=1: the evaluator's decode speeds (bf16) on the other GPU while the data stage runs
       [ "${BENCH_DECODE:-0}" = 1 ] && (export CUDA_VISIBLE_DEVICES=$last_gpu
@@ -111,11 +123,7 @@ case $stage in
       status=$?; echo "data stage: exit $status at $SECONDS s"; tail -3 "$out/$first_name.log"
       wait; grep -v Warning "$out/bench_decode.txt" 2>/dev/null | tail -8
       if [ $status = 0 ]; then
-        mkdir -p "results/$second_name"
-        for entry in results/$first_name/*; do  # everything up to the stores; hard links cost no disk
-          case $(basename "$entry") in train|serving|evaluation|timing|report|reports) ;;
-            *) cp -al "$entry" "results/$second_name/" ;; esac
-        done
+        link_run "$first_name" "$second_name" train serving evaluation timing report reports  # up to the stores
       fi
     fi
     if [ -d "results/$second_name" ]; then
@@ -128,20 +136,10 @@ case $stage in
   sequel)
     # one GPU: the example (+ $FIRST overlays) to its report, then the SAME drafter evaluated again under
     # $SECOND (e.g. bf16): its run directory is a hard-linked copy of the first (nothing retrained)
-    read -ra first <<< "${FIRST:-}"
-    first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
-    for overlays in "${first[*]}" "${second[*]}"; do
-      snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
-    done
-    snakemake_for "${first[@]}"
-    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    two_runs
     pipeline "$first_name" "${first[@]}"
     if [ ! -d "results/$second_name" ] && "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
-      mkdir -p "results/$second_name"
-      for entry in results/$first_name/*; do
-        case $(basename "$entry") in evaluation|timing|report|reports) ;;
-          *) cp -al "$entry" "results/$second_name/" ;; esac
-      done
+      link_run "$first_name" "$second_name" evaluation timing report reports
     fi
     [ -d "results/$second_name" ] && pipeline "$second_name" "${second[@]}" --rerun-triggers mtime
     if [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && [ ! -e "$out/bench_decode.txt" ]; then

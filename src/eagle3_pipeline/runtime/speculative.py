@@ -27,7 +27,7 @@ from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
-from eagle3_pipeline.runtime.traces import Trace, synchronize
+from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting, sglang_flags, tree_problem, tree_speculative
 
 
@@ -76,10 +76,7 @@ def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], 
                 prompt_id: str, method: str) -> Trace:
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
-    cache = target.new_cache(len(prompt_ids) + max_new + k + 1)
-    logits, features = target.forward(prompt_ids, cache)
-    context = list(prompt_ids) + [int(logits[-1].argmax())]
-    trace.tokens.append(context[-1])
+    cache, features, context = prefill(target, prompt_ids, len(prompt_ids) + max_new + k + 1, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
         n = len(context) - 1  # rows the target has seen
         tick = time.perf_counter()
@@ -100,11 +97,7 @@ def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], 
         new = drafts[:accepted] + [predictions[accepted]]
         target.crop(cache, n + accepted + 1)
         features = torch.cat([features, new_features[: accepted + 1]])
-        for token in new:
-            context.append(token)
-            trace.tokens.append(token)
-            if token in eos:
-                break
+        append_until_eos(trace, context, new, eos)
     trace.tokens = trace.tokens[:max_new]
     trace.total_seconds = time.perf_counter() - start
     return trace

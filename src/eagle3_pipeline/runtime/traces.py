@@ -4,6 +4,7 @@ by the chain methods (runtime/speculative.py) and the draft trees (runtime/tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,3 +30,23 @@ class Trace:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def append_until_eos(trace: Trace, context: list[int], tokens: list[int], eos: set[int]) -> None:
+    """A verify step's tokens (accepted drafts, then the target's own) into the context and the trace, up to
+    and including an end-of-sequence token."""
+    for token in tokens:
+        context.append(token)
+        trace.tokens.append(token)
+        if token in eos:
+            break
+
+
+def prefill(target: Any, prompt_ids: list[int], capacity: int, trace: Trace) -> tuple[Any, torch.Tensor, list[int]]:
+    """The prompt through the target (a TargetRuntime) into a fresh KV cache of `capacity` rows: the cache, the
+    prompt's aux features and the context ending in the target's first token (also the trace's first)."""
+    cache = target.new_cache(capacity)
+    logits, features = target.forward(prompt_ids, cache)
+    context = list(prompt_ids) + [int(logits[-1].argmax())]
+    trace.tokens.append(context[-1])
+    return cache, features, context

@@ -31,7 +31,7 @@ from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
 from eagle3_pipeline.runtime.drafting import DrafterProposer
-from eagle3_pipeline.runtime.traces import Trace, synchronize
+from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 from eagle3_pipeline.workflow_config import tree_setting_problem
 
 METHOD_PATTERN = re.compile(r"^[\w-]+-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
@@ -219,10 +219,8 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
     bonus token. `accepted`: path length per step; `drafted`: the tree's depth (the longest path it offered)."""
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
-    cache = target.new_cache(len(prompt_ids) + max_new + drafter.setting.num_draft_tokens)
-    logits, features = target.forward(prompt_ids, cache)
-    context = list(prompt_ids) + [int(logits[-1].argmax())]
-    trace.tokens.append(context[-1])
+    capacity = len(prompt_ids) + max_new + drafter.setting.num_draft_tokens
+    cache, features, context = prefill(target, prompt_ids, capacity, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
         n = len(context) - 1  # rows the target has seen
         tick = time.perf_counter()
@@ -241,11 +239,7 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
         trace.drafted.append(max(tree.depths))
         target.keep_rows(cache, [*range(n), n, *(n + node for node in path)])
         features = torch.cat([features, aux[[0, *path]]])
-        for token in [tree.tokens[node - 1] for node in path] + [bonus]:
-            context.append(token)
-            trace.tokens.append(token)
-            if token in eos:
-                break
+        append_until_eos(trace, context, [tree.tokens[node - 1] for node in path] + [bonus], eos)
     trace.tokens = trace.tokens[:max_new]
     trace.total_seconds = time.perf_counter() - start
     return trace
