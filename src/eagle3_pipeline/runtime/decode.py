@@ -158,16 +158,16 @@ class TargetRuntime:
             self.crop(cache, len(rows))
             return
         moved = torch.tensor(rows[start:], device=self.device)
-        for layer in cache.layers:
-            if not self.static:
+        if not self.static:
+            for layer in cache.layers:
                 layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, moved)], dim=-2)
                 layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, moved)], dim=-2)
-                continue
-            slots = torch.arange(start, len(rows), device=self.device)
+            return
+        slots = torch.arange(start, len(rows), device=self.device)
+        for layer in cache.layers:
             layer.keys.index_copy_(-2, slots, layer.keys.index_select(-2, moved))
             layer.values.index_copy_(-2, slots, layer.values.index_select(-2, moved))
-        if self.static:
-            self.crop(cache, len(rows))
+        self.crop(cache, len(rows))
 
     @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:
