@@ -197,8 +197,9 @@ Method = tuple[DraftFn | TreeDrafter, int]  # the proposer, and its draft length
 def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None,
                  trees: tuple[TreeSetting, ...] = ()) -> dict[str, Method]:
     """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", "eagle3-tree(steps=5,topk=4,tokens=8)",
-    ...): each with its proposer and k. `compiled`: chain drafters decode with a static cache through a compiled
-    step, like the target. Trees: the trained drafter only, one method per setting."""
+    ...): each with its proposer and k. `compiled`: chain drafters decode with a static cache, their chain replayed
+    from a CUDA graph on GPU, as the target's steps are compiled. Trees: the trained drafter only, one method
+    per setting."""
     methods: dict[str, Method] = {}
     for k in ks:
         methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
@@ -249,8 +250,8 @@ def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, 
         tree = TreeSetting.from_method(method)
         k = tree.num_steps if tree else int(method.rsplit("@k=", 1)[1])
         results[method] = summary = summarise(traces, k) | divergence(traces, reference_by_prompt)
-        if sglang_flags(method):
-            summary["sglang_flags"] = sglang_flags(method)
+        if flags := sglang_flags(method):
+            summary["sglang_flags"] = flags
         log.info("%s: tau %.3f, acceptance by position %s; %d of %d prompts diverged from the target's greedy "
                  "output%s", method, summary["tau"], [round(a, 3) for a in summary["acceptance_by_position"]],
                  len(summary["first_divergence"]), len(traces),
