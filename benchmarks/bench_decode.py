@@ -2,6 +2,12 @@
 graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain's cost per verify step.
 
     python benchmarks/bench_decode.py --target smollm2-gguf [--prompts 10] [--max-new 128] [--tau 1.715]
+        [--modes eager compiled long-cache] [--long-cache 4096] [--profile]
+
+`long-cache`: the compiled runtime with every sequence in one cache of --long-cache slots (what the timing pass did
+before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
+sized for the longest prompt costs the others. `--profile`: the kernels of 32 compiled target-only tokens (GPU time
+vs wall time says whether a step waits on the host or on the device).
 
 The drafter is untrained (random weights, the target's shape and embedding): its acceptance is ~0, so the
 timing pass's speedup for it means nothing, but its per-step drafting time is what a trained drafter costs.
@@ -78,6 +84,23 @@ def compare_chains(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: D
           f"({eager_ms / graph_ms:.1f}x); same drafts in {same} of {len(eager)} chains", flush=True)
 
 
+def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
+    """Kernel time of 32 target-only tokens against their wall time, and the costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3_pipeline.runtime.speculative import encode_prompts, greedy
+
+    (pid, ids), = encode_prompts(tokenizer, [prompt])
+    greedy(decoder, ids, 32, set(), pid)  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
+        trace = greedy(decoder, ids, 32, set(), pid)
+    events = run.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    print(f"  profile: {1000 * trace.total_seconds / 32:.2f} ms wall per token (prefill included), "
+          f"{kernel_us / 1000 / 32:.2f} ms of device time per token", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="smollm2-gguf", help="alias, .gguf file or HF directory")
@@ -86,7 +109,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tau", type=float, help="a measured tau at this k, for the projected speedup")
-    parser.add_argument("--eager-only", action="store_true", help="skip the compiled runtime (a CPU smoke run)")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
+                        choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
+    parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
+    parser.add_argument("--profile", action="store_true", help="profile the compiled target-only decode")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("bench_decode")
@@ -96,32 +122,48 @@ def main() -> None:
         target_dir = target_directory(args.target, Path(scratch))
         tokenizer = loading.load_tokenizer(target_dir)
         for dtype_name in args.dtypes:
-            dtype = getattr(torch, dtype_name)
-            rates = {}
-            for compiled in (False, True) if not args.eager_only else (False,):
-                model = loading.load_model(target_dir, device=device, dtype=dtype)
-                drafter = untrained_drafter(target_dir, 16384, device, dtype)
-                decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=compiled, log=log)
-                result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
-                                                     args.max_new, False, log)["mtbench"]
-                mode = "compiled, static cache" if decoder.compiled else "eager"
-                only, chain = result["target"], result[f"eagle3@k={args.k}"]
-                rates[compiled] = only["tokens_per_s"]
-                print(f"{dtype_name} [{mode}]: target-only {only['tokens_per_s']:.1f} tokens/s "
-                      f"({1000 / only['tokens_per_s']:.2f} ms per token); per step: drafter chain of {args.k} "
-                      f"{chain['draft_ms_per_step']:.2f} ms, verify of {args.k + 1} "
-                      f"{chain['verify_ms_per_step']:.2f} ms", flush=True)
-                if compiled:
-                    compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log)
-                if args.tau:
-                    per_step = chain["draft_ms_per_step"] + chain["verify_ms_per_step"]
-                    print(f"  projected speedup of a drafter with tau {args.tau}: "
-                          f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
-                del model, drafter, decoder
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-            if True in rates:
-                print(f"{dtype_name}: compiled / eager target-only = {rates[True] / rates[False]:.2f}x", flush=True)
+            rates = {mode: bench_mode(mode, target_dir, tokenizer, prompts, getattr(torch, dtype_name), device, args,
+                                      log) for mode in args.modes}
+            for mode in ("compiled", "long-cache"):
+                if mode in rates and "eager" in rates:
+                    print(f"{dtype_name}: {mode} / eager target-only = {rates[mode] / rates['eager']:.2f}x", flush=True)
+            if "compiled" in rates and "long-cache" in rates:
+                print(f"{dtype_name}: caches sized per sequence / one {args.long_cache}-slot cache, target-only = "
+                      f"{rates['compiled'] / rates['long-cache']:.2f}x", flush=True)
+
+
+def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dtype, device: str,
+               args: argparse.Namespace, log) -> float:
+    """One runtime's timing pass (target-only and the chain at k) on the prompts: target-only tokens/s."""
+    model = loading.load_model(target_dir, device=device, dtype=dtype)
+    drafter = untrained_drafter(target_dir, 16384, device, dtype)
+    decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
+    if mode == "long-cache":
+        decoder.smallest_cache = args.long_cache
+    result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
+                                         args.max_new, False, log)["mtbench"]
+    only, chain = result["target"], result[f"eagle3@k={args.k}"]
+    label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",
+             "long-cache": f"compiled, one static cache of {args.long_cache} slots"}[mode]
+    if mode != "eager" and not decoder.compiled:
+        label += " (compilation failed: eager)"
+    print(f"{dtype} [{label}]: target-only {only['tokens_per_s']:.1f} tokens/s "
+          f"({1000 / only['tokens_per_s']:.2f} ms per token); per step: drafter chain of {args.k} "
+          f"{chain['draft_ms_per_step']:.2f} ms, verify of {args.k + 1} {chain['verify_ms_per_step']:.2f} ms",
+          flush=True)
+    if args.tau:
+        per_step = chain["draft_ms_per_step"] + chain["verify_ms_per_step"]
+        print(f"  projected speedup of a drafter with tau {args.tau}: "
+              f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
+    if mode == "compiled":
+        compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log)
+        if args.profile:
+            profile_greedy(decoder, tokenizer, prompts[0])
+    rate = only["tokens_per_s"]
+    del model, drafter, decoder
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rate
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 Two modes:
 - eager (the CPU default): a growing `DynamicCache`, every forward as it comes;
-- static (`evaluate.compile` on; `auto` = the timing pass on CUDA): one preallocated transformers `StaticCache`, reused
-  for every sequence, and the 1-token and (k+1)-token steps through `torch.compile(mode="reduce-overhead")`,
-  which captures them in CUDA graphs. Shorter inputs are padded to the next compiled width (the padding
-  rows' keys land beyond the sequence, where the causal mask hides them until real rows overwrite them), so
-  each width is captured once. Prefills (any length) run uncompiled into the same cache.
+- static (`evaluate.compile` on; `auto` = the timing pass on CUDA): preallocated transformers `StaticCache`s, one
+  per power-of-two size, each reused by every sequence that fits it, and the 1-, (k+1)- and 64-token steps through
+  `torch.compile(mode="reduce-overhead")`, which captures them in CUDA graphs (one per width and size). Attention
+  over a static cache reads every slot, so a sequence uses the smallest size that holds it: a cache sized for the
+  longest prompt would make every short one pay for its length, as a server's paged cache does not. Shorter
+  inputs are padded to the next compiled width (the padding rows' keys land beyond the sequence, where the
+  causal mask hides them until real rows overwrite them), so each width is captured once per size. A prompt
+  goes in chunks of the prefill width (64), the last one padded like a step.
 Where compilation fails the runtime logs why and continues eagerly.
 """
 
@@ -52,8 +55,13 @@ class TargetRuntime:
                             "decoding eagerly with a dynamic cache")
             static = compiled = False
         self.static = static or compiled
-        self.static_cache: Any = None
-        self.widths: list[int] = [1]  # input lengths the static step pads to (and compiles for)
+        self.static_caches: dict[int, Any] = {}  # by size (slots)
+        self.smallest_cache = 256  # slots; a benchmark raises it to show what one long cache costs
+        # a prompt is prefilled in chunks of this many tokens: a few captured steps instead of an eager forward,
+        # whose ~30 ms of kernel launches would weigh in every method's time as no server's prefill does
+        self.prefill_width = 64
+        self.widths: list[int] = [1, self.prefill_width]  # input lengths the static step pads to (and compiles for)
+        self.headroom = self.prefill_width  # rows the widest step writes beyond a sequence's tokens
         self.step = None
         if compiled:
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
@@ -69,33 +77,48 @@ class TargetRuntime:
             self.captured[slot] = output[0] if isinstance(output, tuple) else output
         return capture
 
-    def prepare(self, draft_lengths: list[int]) -> None:
-        """Verify widths to expect: k + 1 for every draft length k."""
-        self.widths = sorted({1, *(k + 1 for k in draft_lengths)})
+    def prepare(self, draft_lengths: list[int], tree_tokens: list[int] | tuple[int, ...] = ()) -> None:
+        """Verify widths to expect: k + 1 for every draft length k (the compiled widths), and a tree's
+        num_draft_tokens (rows one tree verify writes): together the room a cache keeps beyond a sequence."""
+        self.widths = sorted({1, *(k + 1 for k in draft_lengths), self.prefill_width})
+        self.headroom = max([*self.widths, *tree_tokens])
 
     @torch.inference_mode()  # the cache's tensors are inference tensors: update them only in inference mode
-    def new_cache(self, capacity: int) -> Any:
-        """An empty KV cache for a sequence of at most `capacity` tokens (the static one is reused)."""
+    def new_cache(self, tokens: int) -> Any:
+        """An empty KV cache for a sequence of at most `tokens` tokens, prompt and new ones (static: the reused
+        cache of `cache_size(tokens)` slots)."""
         if not self.static:
             from transformers import DynamicCache
 
             return DynamicCache()
-        capacity += max(self.widths)  # room for the padding rows of the last step
-        if self.static_cache is None or self.static_cache.get_max_length() < capacity:
+        size = self.cache_size(tokens)
+        if size not in self.static_caches:
             from transformers import StaticCache
 
-            size = 1 << max(8, (capacity - 1).bit_length())  # powers of two: few sizes, few recompilations
-            self.static_cache = StaticCache(config=self.model.config, max_cache_len=size)
-        else:
-            self.static_cache.reset()
-        return self.static_cache
+            self.static_caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
+        cache = self.static_caches[size]
+        cache.reset()
+        return cache
+
+    def cache_size(self, tokens: int) -> int:
+        """Slots of the static cache a sequence of at most `tokens` tokens decodes in (every method on a prompt
+        gets the same): room for its widest last step, rounded up to a power of two (few sizes, few graphs)."""
+        return static_size(tokens + self.headroom, self.smallest_cache)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(tokens)
-        width = next((w for w in self.widths if w >= n), None) if self.static else None
-        if width is None:  # eager mode, or a prefill
+        if not self.static:
             return self._run(self.model.forward, tokens, cache)
+        widest = self.widths[-1]  # a prompt goes in chunks of the prefill width
+        if len(tokens) <= widest:
+            return self._static_step(tokens, cache)
+        parts = [self._static_step(tokens[start:start + widest], cache) for start in range(0, len(tokens), widest)]
+        return torch.cat([logits for logits, _ in parts]), torch.cat([aux for _, aux in parts])
+
+    def _static_step(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """At most the widest width of tokens, padded to the next width (compiled: its captured graph)."""
+        n = len(tokens)
+        width = next(w for w in self.widths if w >= n)
         padded = tokens + [tokens[-1]] * (width - n)
         if self.step is not None:
             # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
@@ -175,6 +198,11 @@ class TargetRuntime:
         extra = int(cache.get_seq_length()) - keep
         if extra > 0:
             remove_last_rows(cache, extra)
+
+
+def static_size(rows: int, smallest: int = 256) -> int:
+    """A static cache's slots for `rows` rows: the next power of two, at least `smallest`."""
+    return max(smallest, 1 << (rows - 1).bit_length())
 
 
 def has_sliding_layers(model: torch.nn.Module) -> bool:

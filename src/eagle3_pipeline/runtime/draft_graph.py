@@ -54,7 +54,7 @@ class _Graph:
 
 class CapturedChain:
     """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
-    (one per k and cache; a grown cache records anew). Inputs are copied into the graph's buffers, outputs
+    (one per k and cache size). Inputs are copied into the graph's buffers, outputs
     copied out (the next replay overwrites them)."""
 
     def __init__(self, drafter: Drafter):
@@ -63,9 +63,8 @@ class CapturedChain:
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                  cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (k, cache.keys.data_ptr())
+        key = (k, cache.keys.data_ptr())  # the proposer keeps its caches: an address is never reused
         if key not in self.graphs:
-            self.graphs = {old: g for old, g in self.graphs.items() if old[1] == key[1]}  # a grown cache
             self.graphs[key] = self._record(ids, hidden, positions, last, cache, k)
         recorded = self.graphs[key]
         for name, value in (("ids", ids), ("hidden", hidden), ("positions", positions), ("last", last)):

@@ -12,7 +12,7 @@ from eagle3_pipeline.drafter.attention import DecodeKV, StaticKV
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import serving_dir as serving_format
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
-from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.decode import TargetRuntime, static_size
 from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps
 
 
@@ -22,7 +22,8 @@ class DrafterProposer:
     `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so the
     chain sees one shape per k. `compiled` (CUDA): that chain is recorded once as a CUDA graph and replayed
     (draft_graph.CapturedChain). Padding rows sit beyond the last real position, where the chain and the next
-    step overwrite them."""
+    step overwrite them. Static caches are kept per power-of-two size, and a sequence takes the smallest that
+    holds it (attention reads every slot), as the target's do."""
 
     def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
         self.drafter = drafter.eval()
@@ -30,14 +31,18 @@ class DrafterProposer:
         self.cache: DecodeKV | StaticKV | None = None
         self.done = 0  # rows (f_t, x_{t+1}) already in the cache
         self.static = static or compiled
-        self.static_cache: StaticKV | None = None
+        self.static_caches: dict[int, StaticKV] = {}  # by size (slots)
         self.captured = CapturedChain(drafter) if compiled and self.device.type == "cuda" else None
         if compiled and self.captured is None and log is not None:
             log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
         self.log = log
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 0) -> None:
+        """A new sequence; `rows`: how many it may reach (static: its cache is taken now, so that a sequence's
+        cache size, and the graphs recorded for it, depend on the sequence and not on when it grows)."""
         self.cache, self.done = None, 0
+        if self.static and rows:
+            self._reserve(rows)
 
     @torch.inference_mode()
     def __call__(self, context: list[int], features: torch.Tensor, k: int) -> list[int]:
@@ -95,16 +100,18 @@ class DrafterProposer:
         return ids, hidden[None], positions, new
 
     def _reserve(self, rows: int) -> None:
-        """A static cache of at least `rows` slots (powers of two: few sizes, few graphs)."""
-        if self.static_cache is None or self.static_cache.capacity < rows:
-            grown = StaticKV.empty(self.drafter.config, 1 << max(8, (rows - 1).bit_length()), self.device,
-                                   self.drafter.fc.weight.dtype)
-            if self.static_cache is not None:
-                kept = self.static_cache.capacity
-                grown.keys[:, :, :kept] = self.static_cache.keys
-                grown.values[:, :, :kept] = self.static_cache.values
-            self.static_cache = grown
-        self.cache = self.static_cache
+        """A static cache of at least `rows` slots: the sequence's own, or the next size with its rows copied."""
+        current = self.cache if isinstance(self.cache, StaticKV) else None
+        if current is not None and current.capacity >= rows:
+            return
+        size = static_size(rows)
+        if size not in self.static_caches:
+            self.static_caches[size] = StaticKV.empty(self.drafter.config, size, self.device,
+                                                      self.drafter.fc.weight.dtype)
+        self.cache = self.static_caches[size]
+        if current is not None:
+            self.cache.keys[:, :, :current.capacity] = current.keys
+            self.cache.values[:, :, :current.capacity] = current.values
 
 
 def untrained_like(drafter: Drafter, seed: int = 0) -> Drafter:

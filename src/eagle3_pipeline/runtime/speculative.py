@@ -76,7 +76,7 @@ def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], 
                 prompt_id: str, method: str) -> Trace:
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
-    cache, features, context = prefill(target, prompt_ids, len(prompt_ids) + max_new + k + 1, trace)
+    cache, features, context = prefill(target, prompt_ids, max_new, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
         n = len(context) - 1  # rows the target has seen
         tick = time.perf_counter()
@@ -178,8 +178,9 @@ def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], dra
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table(drafters, ks, target.compiled, log, usable_trees(target, trees, log))
-    target.prepare(ks)
+    trees = usable_trees(target, trees, log)
+    methods = method_table(drafters, ks, target.compiled, log, trees)
+    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
     progress = Progress(log, "prompts (all methods)", len(prompts))
     for pid, ids in encode_prompts(tokenizer, prompts):
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
@@ -229,7 +230,7 @@ def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: 
     finished = {"target": reference}
     for method, (propose, k) in methods.items():
         if isinstance(propose, DrafterProposer | TreeDrafter):
-            propose.reset()
+            propose.reset(target.cache_size(len(ids) + max_new))  # static caches: the target's size class
         if isinstance(propose, TreeDrafter):
             trace = tree_speculative(target, propose, ids, max_new, eos, prompt_id, method)
         else:

@@ -42,10 +42,10 @@ def append_until_eos(trace: Trace, context: list[int], tokens: list[int], eos: s
             break
 
 
-def prefill(target: Any, prompt_ids: list[int], capacity: int, trace: Trace) -> tuple[Any, torch.Tensor, list[int]]:
-    """The prompt through the target (a TargetRuntime) into a fresh KV cache of `capacity` rows: the cache, the
-    prompt's aux features and the context ending in the target's first token (also the trace's first)."""
-    cache = target.new_cache(capacity)
+def prefill(target: Any, prompt_ids: list[int], max_new: int, trace: Trace) -> tuple[Any, torch.Tensor, list[int]]:
+    """The prompt through the target (a TargetRuntime) into a fresh KV cache for it and `max_new` tokens: the
+    cache, the prompt's aux features and the context ending in the target's first token (also the trace's first)."""
+    cache = target.new_cache(len(prompt_ids) + max_new)
     logits, features = target.forward(prompt_ids, cache)
     context = list(prompt_ids) + [int(logits[-1].argmax())]
     trace.tokens.append(context[-1])

@@ -138,8 +138,8 @@ class TreeDrafter:
         self.drafter = self.proposer.drafter
         self.setting = setting
 
-    def reset(self) -> None:
-        self.proposer.reset()
+    def reset(self, rows: int = 0) -> None:
+        self.proposer.reset(rows)
 
     @torch.inference_mode()
     def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
@@ -219,8 +219,7 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
     bonus token. `accepted`: path length per step; `drafted`: the tree's depth (the longest path it offered)."""
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
-    capacity = len(prompt_ids) + max_new + drafter.setting.num_draft_tokens
-    cache, features, context = prefill(target, prompt_ids, capacity, trace)
+    cache, features, context = prefill(target, prompt_ids, max_new, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
         n = len(context) - 1  # rows the target has seen
         tick = time.perf_counter()

@@ -14,7 +14,7 @@ from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.devices import pick_device
-from eagle3_pipeline.runtime.drafting import DrafterProposer, load_models
+from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import (
     Trace,
     decode_prompt,
@@ -55,19 +55,13 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     device): every method on the same prompt back to back, after a warm-up run of every method that is not
     counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
     eos = end_of_sequence(tokenizer)
-    methods = method_table({"eagle3": drafter}, ks, target.compiled, log, usable_trees(target, trees, log))
-    target.prepare(ks)
+    trees = usable_trees(target, trees, log)
+    methods = method_table({"eagle3": drafter}, ks, target.compiled, log, trees)
+    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
-    # Size the static caches for the longest prompt before the warm-up: a cache that grew during the run would
-    # change the compiled steps' shapes, and their recompilation would be timed.
-    widest = max([k + 1 for k in ks] + [tree.num_draft_tokens for tree in trees])  # tokens of one verify
-    capacity = max(len(ids) for prompts in encoded.values() for _, ids in prompts) + max_new + widest
-    target.new_cache(capacity)
-    for propose, _ in methods.values():
-        if isinstance(propose, DrafterProposer) and propose.static:
-            propose._reserve(capacity + max(ks))
-    warm_up_ids = next(iter(encoded.values()))[0][1]
-    decode_prompt(target, methods, "warm-up", warm_up_ids, min(max_new, 16), eos, strict)
+    for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
+        log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
+        decode_prompt(target, methods, "warm-up", ids, max_new if size else min(max_new, 16), eos, strict)
     results = {}
     for name, prompts in encoded.items():
         by_method: dict[str, list[Trace]] = {}
@@ -80,6 +74,19 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
                      "verifying", name, method, summary["tokens_per_s"], summary["speedup_vs_target"],
                      summary["draft_ms_per_step"], summary["verify_ms_per_step"])
     return results
+
+
+def warm_up_prompts(target: TargetRuntime, encoded: dict[str, list[tuple[str, list[int]]]], max_new: int
+                    ) -> dict[int, list[int]]:
+    """One prompt per static cache size the timed prompts decode in (one prompt in all when eager): decoding it to
+    the end records every graph that size needs, so no compilation or capture is timed."""
+    prompts = [ids for sets in encoded.values() for _, ids in sets]
+    if not target.static:
+        return {0: prompts[0]}
+    by_size: dict[int, list[int]] = {}
+    for ids in prompts:
+        by_size.setdefault(target.cache_size(len(ids) + max_new), ids)
+    return by_size
 
 
 TIMING_PASS_ABOUT = ("timing pass: one process on the device after the tau pass, every method on the same prompts "
