@@ -9,6 +9,8 @@
 #             (regeneration and evaluation keep finished work while the machine stays warm).
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
+#             BENCH_DECODE=1 first runs bench_decode.py alone on the GPU (before the run exists).
+# bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
@@ -75,6 +77,13 @@ link_run() {  # link_run FROM TO SKIPPED...: results/FROM's entries but SKIPPED 
   done
 }
 
+bench_decode() {  # bench_decode SECONDS: bench_decode.py with $BENCH_ARGS into $out/bench_decode.txt, once per lease
+  [ -e "$out/bench_decode.txt" ] && return
+  timeout "$1" python3 benchmarks/bench_decode.py --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    ${BENCH_ARGS:---prompts 3 --max-new 64 --dtypes bfloat16 --tau 2.1} > "$out/bench_decode.txt" 2>&1
+  grep -v Warning "$out/bench_decode.txt" | tail -40
+}
+
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
   for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
@@ -105,6 +114,8 @@ case $stage in
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
   single)
+    # BENCH_DECODE=1: bench_decode.py first, alone on the GPU (its own timings; the first call of a lease)
+    [ "${BENCH_DECODE:-0}" = 1 ] && [ ! -d "results/$second_name" ] && bench_decode 240
     snakemake_for "${second[@]}"
     "${cmd[@]}" --unlock >/dev/null 2>&1
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
@@ -114,9 +125,7 @@ case $stage in
     two_runs
     if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
       # BENCH_DECODE=1: the evaluator's decode speeds (bf16) on the other GPU while the data stage runs
-      [ "${BENCH_DECODE:-0}" = 1 ] && (export CUDA_VISIBLE_DEVICES=$last_gpu
-        timeout 300 python3 benchmarks/bench_decode.py --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-          --prompts 3 --max-new 64 --dtypes bfloat16 --tau 2.1 > "$out/bench_decode.txt" 2>&1) &
+      [ "${BENCH_DECODE:-0}" = 1 ] && (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_decode 300 > /dev/null) &
       # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
       (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract \
         >> "$out/$first_name.log" 2>&1)
@@ -142,12 +151,7 @@ case $stage in
       link_run "$first_name" "$second_name" evaluation timing report reports
     fi
     [ -d "results/$second_name" ] && pipeline "$second_name" "${second[@]}" --rerun-triggers mtime
-    if [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && [ ! -e "$out/bench_decode.txt" ]; then
-      timeout $((deadline - SECONDS - 20)) python3 benchmarks/bench_decode.py \
-        --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompts 3 --max-new 64 --dtypes bfloat16 \
-        --tau 2.1 > "$out/bench_decode.txt" 2>&1
-      grep -v Warning "$out/bench_decode.txt" | tail -8
-    fi
+    [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && bench_decode $((deadline - SECONDS - 20))
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &

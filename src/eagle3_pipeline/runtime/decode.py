@@ -56,7 +56,9 @@ class TargetRuntime:
             static = compiled = False
         self.static = static or compiled
         self.static_caches: dict[int, Any] = {}  # by size (slots)
-        self.smallest_cache = 256  # slots; a benchmark raises it to show what one long cache costs
+        # slots: chat prompts with 128 new tokens fit one size (each size compiles every width again, ~20 s each);
+        # a benchmark raises it to show what one long cache costs
+        self.smallest_cache = 512
         # a prompt is prefilled in chunks of this many tokens: a few captured steps instead of an eager forward,
         # whose ~30 ms of kernel launches would weigh in every method's time as no server's prefill does
         self.prefill_width = 64
