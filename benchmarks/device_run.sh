@@ -9,7 +9,7 @@
 #             (regeneration and evaluation keep finished work while the machine stays warm).
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
-#             BENCH_DECODE=1 first runs bench_decode.py alone on the GPU (before the run exists).
+#             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run.
 # bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
@@ -114,12 +114,13 @@ case $stage in
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
   single)
-    # BENCH_DECODE=1: bench_decode.py first, alone on the GPU (its own timings; the first call of a lease)
-    [ "${BENCH_DECODE:-0}" = 1 ] && [ ! -d "results/$second_name" ] && bench_decode 240
     snakemake_for "${second[@]}"
     "${cmd[@]}" --unlock >/dev/null 2>&1
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
     pipeline "$second_name" "${second[@]}"
+    # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
+    [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
+      && bench_decode $((deadline - SECONDS - 20))
     ;;
   pair)
     two_runs
