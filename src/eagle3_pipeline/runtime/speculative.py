@@ -38,10 +38,8 @@ class LosslessViolation(AssertionError):
 def greedy(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
     trace = Trace(prompt_id, "target", [])
     start = time.perf_counter()
-    cache = target.new_cache(len(prompt_ids) + max_new)
-    logits, _ = target.forward(prompt_ids, cache)
-    token = int(logits[-1].argmax())
-    trace.tokens.append(token)
+    cache, _, context = prefill(target, prompt_ids, max_new, trace)
+    token = context[-1]
     while len(trace.tokens) < max_new and token not in eos:
         logits, _ = target.forward([token], cache)
         trace.target_forwards += 1
