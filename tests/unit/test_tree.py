@@ -89,15 +89,16 @@ def static_runtime(target: TargetRuntime, monkeypatch, static_layers_crop: bool)
     return static
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like", "static-padded"])
 @torch.inference_mode()
 def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache):
     """A tree verify's logits and aux features for each node equal a plain forward of prefix + root + its path;
     after keeping the prefix and one path the cache decodes on as if only that path had been fed (a static
-    cache: the path's rows moved down to the slots after the root)."""
+    cache: the path's rows moved down to the slots after the root). `static-padded`: the tree padded to a fixed
+    width of 10 rows (what the compiled verify runs), the padding rows dropped with the rejected ones."""
     target, tokenizer = smollm2
     if cache != "dynamic":
-        target = static_runtime(target, monkeypatch, static_layers_crop=cache == "static")
+        target = static_runtime(target, monkeypatch, static_layers_crop=cache != "static-5.17-like")
     prefix = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     root, n = prefix[-1], len(prefix) - 1
     words = tokenizer.encode(" Rome Milan, is and the")
@@ -106,7 +107,9 @@ def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache)
                      depths=[1, 1, 2, 2, 2, 3], scores=[0.0] * 6)
     kv = target.new_cache(64)
     target.forward(prefix[:-1], kv)
-    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), kv)
+    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), kv,
+                                      width=10 if cache == "static-padded" else None)
+    assert logits.shape[0] == aux.shape[0] == len(tree.tokens) + 1
 
     def path_to(node: int) -> list[int]:
         return [] if node == 0 else path_to(tree.parents[node - 1]) + [node]

@@ -228,7 +228,7 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
         synchronize(target.device)
         middle = time.perf_counter()
         logits, aux = target.forward_tree([context[-1]] + tree.tokens, [n + d for d in [0, *tree.depths]],
-                                          tree.visible(), cache)
+                                          tree.visible(), cache, width=drafter.setting.num_draft_tokens)
         predictions = logits.argmax(-1).tolist()
         synchronize(target.device)
         trace.draft_seconds += middle - tick
