@@ -15,6 +15,7 @@ from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, sglang_flags, tree_speculative
+from eagle3_pipeline.runtime.tree_graph import keep_best
 from tests.unit.conftest import tiny_llama, trained_tiny_drafter
 
 
@@ -49,10 +50,10 @@ def tiny_drafter() -> Drafter:
 def test_a_kept_node_always_comes_with_its_parent_even_at_ties(kept):
     """Candidates of a topk-2, depth-2 tree: c0 (0.0), c1 (-1.0) at depth 1; children c2, c3 of c0 and c4, c5 of
     c1. c2 ties its parent (a child of probability 1) and c4 ties c1, its parent: ties go to the parent."""
-    tree_drafter = TreeDrafter(tiny_drafter(), TreeSetting(2, 2, kept + 1))
     candidates = [(torch.tensor([0.0, -1.0]), torch.tensor([10, 11]), torch.tensor([-1, -1])),
                   (torch.tensor([0.0, -2.0, -1.0, -3.0]), torch.tensor([12, 13, 14, 15]), torch.tensor([0, 0, 1, 1]))]
-    tree = tree_drafter._keep_best(candidates)
+    tokens, parents, depths, scores = keep_best(tiny_drafter(), candidates, topk=2, kept=kept).tolist()
+    tree = DraftTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
     expected = [[10], [10, 12], [10, 11, 12], [10, 11, 12, 14], [10, 11, 12, 13, 14], [10, 11, 12, 13, 14, 15]]
     assert tree.tokens == expected[kept - 1]
     parent_token = {10: None, 11: None, 12: 10, 13: 10, 14: 11, 15: 11}

@@ -5,11 +5,13 @@ draft from the last real row, chain row i at position n-1+i), written without re
 host: which real row starts the chain is an index tensor, and draft ids map to target ids by `index_select`.
 Eagerly it is the chain itself; on CUDA `CapturedChain` records it once per (k, cache) and replays it, so a
 k-step chain costs one graph launch instead of ~30 kernel launches and a Python round trip per step (what
-servers do: SGLang and vLLM capture their draft steps in CUDA graphs too).
+servers do: SGLang and vLLM capture their draft steps in CUDA graphs too). `CapturedCalls` is that recording and
+replaying for any tensors-only drafting function (draft trees use it too: tree_graph.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,41 +50,55 @@ def to_target(drafter: Drafter, draft_ids: torch.Tensor) -> torch.Tensor:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
-    drafts: torch.Tensor
-    logits: torch.Tensor
+    outputs: tuple[torch.Tensor, ...]
 
 
-class CapturedChain:
-    """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
-    (one per k and cache; a grown cache records anew). Inputs are copied into the graph's buffers, outputs
-    copied out (the next replay overwrites them)."""
+class CapturedCalls:
+    """Calls of a tensors-only function `steps(**inputs, **fixed) -> tensors`, replayed from CUDA graphs recorded
+    on first use, one per key. A key starts with the address of the cache the graph writes to (a grown cache
+    records anew and drops the old cache's graphs). Inputs are copied into the graph's buffers, outputs copied
+    out (the next replay overwrites them)."""
 
-    def __init__(self, drafter: Drafter):
-        self.drafter = drafter
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+    def __init__(self, steps: Callable[..., tuple[torch.Tensor, ...]]):
+        self.steps = steps
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
 
-    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (k, cache.keys.data_ptr())
+    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], **fixed: Any
+                 ) -> tuple[torch.Tensor, ...]:
         if key not in self.graphs:
-            self.graphs = {old: g for old, g in self.graphs.items() if old[1] == key[1]}  # a grown cache
-            self.graphs[key] = self._record(ids, hidden, positions, last, cache, k)
+            self.graphs = {old: g for old, g in self.graphs.items() if old[0] == key[0]}  # a grown cache
+            self.graphs[key] = self._record(inputs, fixed)
         recorded = self.graphs[key]
-        for name, value in (("ids", ids), ("hidden", hidden), ("positions", positions), ("last", last)):
+        for name, value in inputs.items():
             recorded.inputs[name].copy_(value)
         recorded.graph.replay()
-        return recorded.drafts.clone(), recorded.logits.clone()
+        return tuple(output.clone() for output in recorded.outputs)
 
-    def _record(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                cache: StaticKV, k: int) -> _Graph:
-        inputs = {"ids": ids.clone(), "hidden": hidden.clone(), "positions": positions.clone(), "last": last.clone()}
+    def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
+        inputs = {name: value.clone() for name, value in inputs.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (library handles, workspaces): it writes the same rows twice
             for _ in range(2):
-                chain_steps(self.drafter, **inputs, cache=cache, k=k)
+                self.steps(**inputs, **fixed)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            drafts, logits, _ = chain_steps(self.drafter, **inputs, cache=cache, k=k)
-        return _Graph(graph, inputs, drafts, logits)
+            outputs = self.steps(**inputs, **fixed)
+        return _Graph(graph, inputs, outputs)
+
+
+class CapturedChain:
+    """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
+    (one per k and cache)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.calls = CapturedCalls(lambda **arguments: chain_steps(**arguments)[:2])
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                 cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts, logits = self.calls((cache.keys.data_ptr(), k),
+                                    {"ids": ids, "hidden": hidden, "positions": positions, "last": last},
+                                    drafter=self.drafter, cache=cache, k=k)
+        return drafts, logits
