@@ -27,6 +27,7 @@ from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.speculative import synchronize
+from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
 from eagle3_pipeline.stages import evaluate_timing, target
 
 
@@ -78,6 +79,30 @@ def compare_chains(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: D
           f"({eager_ms / graph_ms:.1f}x); same drafts in {same} of {len(eager)} chains", flush=True)
 
 
+def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, log) -> None:
+    """SGLang's default tree drafted eagerly (tensors only, one launch per kernel) vs replayed from one CUDA
+    graph, over a sequence growing by 2 real rows per step (the same drafter must draft the same trees)."""
+    setting = TreeSetting(5, 4, 8)
+    ids = tokenizer.apply_chat_template(prompt.messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[:200]
+    _, features = decoder.forward(ids, decoder.new_cache(len(ids) + 8))
+    start, timings, trees = len(ids) // 2, {}, {}
+    for name, compiled in (("eager", False), ("CUDA graph", True)):
+        tree_drafter = TreeDrafter(drafter, setting, compiled=compiled, log=log)
+        tree_drafter.draft(ids[:start + 1], features[:start])  # prefill (and, captured, the recording)
+        steps = range(start + 2, len(ids) - 1, 2)
+        synchronize(features.device)
+        tick = time.perf_counter()
+        trees[name] = [tree_drafter.draft(ids[:n + 1], features[:n]) for n in steps]
+        synchronize(features.device)
+        timings[name] = 1000 * (time.perf_counter() - tick) / max(len(steps), 1)
+    same = sum((a.tokens, a.parents) == (b.tokens, b.parents) for a, b in zip(*trees.values(), strict=True))
+    print(f"  draft tree {setting.as_dict()}: eager {timings['eager']:.2f} ms, CUDA graph {timings['CUDA graph']:.2f}"
+          f" ms ({timings['eager'] / timings['CUDA graph']:.1f}x); same trees in {same} of {len(trees['eager'])}",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="smollm2-gguf", help="alias, .gguf file or HF directory")
@@ -113,6 +138,7 @@ def main() -> None:
                       f"{chain['verify_ms_per_step']:.2f} ms", flush=True)
                 if compiled:
                     compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log)
+                    compare_trees(decoder, tokenizer, prompts[0], drafter, log)
                 if args.tau:
                     per_step = chain["draft_ms_per_step"] + chain["verify_ms_per_step"]
                     print(f"  projected speedup of a drafter with tau {args.tau}: "

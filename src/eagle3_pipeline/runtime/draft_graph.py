@@ -46,6 +46,12 @@ def to_target(drafter: Drafter, draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids + drafter.d2t.index_select(0, draft_ids)
 
 
+def cache_key(cache: StaticKV) -> tuple[int, int]:
+    """A static cache as a captured graph sees it: the address and the number of slots it reads and writes (a
+    cache of the same size later allocated at the same address is, to the graph, the same cache)."""
+    return cache.keys.data_ptr(), cache.capacity
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -55,9 +61,10 @@ class _Graph:
 
 class CapturedCalls:
     """Calls of a tensors-only function `steps(**inputs, **fixed) -> tensors`, replayed from CUDA graphs recorded
-    on first use, one per key. A key starts with the address of the cache the graph writes to (a grown cache
-    records anew and drops the old cache's graphs). Inputs are copied into the graph's buffers, outputs copied
-    out (the next replay overwrites them)."""
+    on first use, one per key. A key names what a graph reads and writes besides its inputs: the cache, by
+    address and size (`cache_key`; graphs stay while the caller keeps caches of several sizes), and any length
+    that shapes it. Inputs are copied into the graph's buffers, outputs copied out (the next replay overwrites
+    them)."""
 
     def __init__(self, steps: Callable[..., tuple[torch.Tensor, ...]]):
         self.steps = steps
@@ -66,7 +73,6 @@ class CapturedCalls:
     def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], **fixed: Any
                  ) -> tuple[torch.Tensor, ...]:
         if key not in self.graphs:
-            self.graphs = {old: g for old, g in self.graphs.items() if old[0] == key[0]}  # a grown cache
             self.graphs[key] = self._record(inputs, fixed)
         recorded = self.graphs[key]
         for name, value in inputs.items():
@@ -98,7 +104,7 @@ class CapturedChain:
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                  cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        drafts, logits = self.calls((cache.keys.data_ptr(), k),
+        drafts, logits = self.calls((*cache_key(cache), k),
                                     {"ids": ids, "hidden": hidden, "positions": positions, "last": last},
                                     drafter=self.drafter, cache=cache, k=k)
         return drafts, logits

@@ -118,14 +118,14 @@ class TreeDrafter:
     `compiled` (CUDA): that drafting is recorded once per cache as a CUDA graph and replayed."""
 
     def __init__(self, drafter: Drafter, setting: TreeSetting, compiled: bool = False, log: Any = None):
+        self.rows = TreeRows.empty(drafter, (setting.num_steps - 1) * setting.topk)
+        self.captured = (CapturedTree(drafter, self.rows, setting.num_steps, setting.topk,
+                                      setting.num_draft_tokens - 1)
+                         if compiled and self.rows.keys.device.type == "cuda" else None)
+        self.log = log
         self.proposer = DrafterProposer(drafter, static=True)
         self.drafter = self.proposer.drafter
         self.setting = setting
-        self.rows = TreeRows.empty(self.drafter, (setting.num_steps - 1) * setting.topk)
-        self.captured = (CapturedTree(self.drafter, self.rows, setting.num_steps, setting.topk,
-                                      setting.num_draft_tokens - 1)
-                         if compiled and self.proposer.device.type == "cuda" else None)
-        self.log = log
 
     def reset(self) -> None:
         self.proposer.reset()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from eagle3_pipeline.drafter.attention import StaticKV, repeat_kv
 from eagle3_pipeline.drafter.model import Drafter
-from eagle3_pipeline.runtime.draft_graph import CapturedCalls, to_target
+from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, to_target
 
 
 @dataclass(frozen=True)
@@ -121,5 +121,5 @@ class CapturedTree:
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                  cache: StaticKV) -> torch.Tensor:
         inputs = {"ids": ids, "hidden": hidden, "positions": positions, "last": last}
-        (packed,) = self.calls((cache.keys.data_ptr(),), inputs, cache=cache, **self.fixed)
+        (packed,) = self.calls(cache_key(cache), inputs, cache=cache, **self.fixed)
         return packed
