@@ -7,13 +7,15 @@ depth (by cumulative log-probability) are expanded, each with its top-`topk` chi
 its token at rotary position n-1+depth (the chain's rule) and attends to the real rows plus its own ancestors' rows.
 After `num_steps` depths the best `num_draft_tokens - 1` of all candidates are kept (`num_draft_tokens` counts the
 root: the target's own next token, which is verified with them). A child's cumulative log-probability is never above
-its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept.
+its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept. The
+drafting runs as tensors only at shapes fixed by the setting (tree_graph.py), replayed from a CUDA graph on GPU.
 
 Verifying: one target forward over [root, nodes...] at positions n + depth, each attending to the cached prefix,
 the root and its own ancestors. The longest root-to-leaf path whose every token equals the target's argmax at its
 parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
-path (a static cache: the tree's rows were written at slots n..n+T-1 and the path's rows are moved down to
-n+1..), and the path's aux features go to the drafter.
+path (a static cache: the tree, padded to num_draft_tokens rows and verified by the compiled step where there is
+one, was written at slots n..n+T-1 and the path's rows are moved down to n+1..), and the path's aux features go
+to the drafter.
 """
 
 from __future__ import annotations
