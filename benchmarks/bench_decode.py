@@ -33,6 +33,7 @@ from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.speculative import synchronize
+from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
 from eagle3_pipeline.stages import evaluate_timing, target
 
 
@@ -101,6 +102,46 @@ def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
 
 
+def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, log) -> None:
+    """SGLang's default tree drafted eagerly (tensors only, one launch per kernel) vs replayed from one CUDA
+    graph, over a sequence growing by 2 real rows per step (the same drafter must draft the same trees); then
+    the target's verify of that tree against a chain's verify of k + 1 tokens (both compiled where it is)."""
+    setting = TreeSetting(5, 4, 8)
+    ids = tokenizer.apply_chat_template(prompt.messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[:200]
+    cache = decoder.new_cache(len(ids) + 8)
+    _, features = decoder.forward(ids, cache)
+    start, timings, trees = len(ids) // 2, {}, {}
+    for name, compiled in (("eager", False), ("CUDA graph", True)):
+        tree_drafter = TreeDrafter(drafter, setting, compiled=compiled, log=log)
+        tree_drafter.draft(ids[:start + 1], features[:start])  # prefill (and, captured, the recording)
+        steps = range(start + 2, len(ids) - 1, 2)
+        synchronize(features.device)
+        tick = time.perf_counter()
+        trees[name] = [tree_drafter.draft(ids[:n + 1], features[:n]) for n in steps]
+        synchronize(features.device)
+        timings[name] = 1000 * (time.perf_counter() - tick) / max(len(steps), 1)
+    same = sum((a.tokens, a.parents) == (b.tokens, b.parents) for a, b in zip(*trees.values(), strict=True))
+    print(f"  draft tree {setting.as_dict()}: eager {timings['eager']:.2f} ms, CUDA graph {timings['CUDA graph']:.2f}"
+          f" ms ({timings['eager'] / timings['CUDA graph']:.1f}x); same trees in {same} of {len(trees['eager'])}",
+          flush=True)
+    tree, n, chain = trees["eager"][-1], len(ids), min(w for w in decoder.widths if w > 1)
+    verifies = {f"chain of {chain}": lambda: decoder.forward(ids[-chain:], cache)[0],
+                f"tree of {setting.num_draft_tokens}": lambda: decoder.forward_tree(
+                    [ids[-1]] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), cache,
+                    width=setting.num_draft_tokens)[0]}
+    for name, verify in verifies.items():
+        for _round in range(2):  # the first round compiles and captures, the second is timed
+            synchronize(features.device)
+            tick = time.perf_counter()
+            for _ in range(30):
+                verify().argmax(-1).tolist()
+                decoder.crop(cache, n)
+            timings[name] = 1000 * (time.perf_counter() - tick) / 30
+    print("  target verify per step: " + ", ".join(f"{name} {timings[name]:.2f} ms" for name in verifies), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="smollm2-gguf", help="alias, .gguf file or HF directory")
@@ -157,6 +198,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
               f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
     if mode == "compiled":
         compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log)
+        compare_trees(decoder, tokenizer, prompts[0], drafter, log)
         if args.profile:
             profile_greedy(decoder, tokenizer, prompts[0])
     rate = only["tokens_per_s"]

@@ -15,6 +15,7 @@ from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, sglang_flags, tree_speculative
+from eagle3_pipeline.runtime.tree_graph import keep_best
 from tests.unit.conftest import tiny_llama, trained_tiny_drafter
 
 
@@ -49,10 +50,10 @@ def tiny_drafter() -> Drafter:
 def test_a_kept_node_always_comes_with_its_parent_even_at_ties(kept):
     """Candidates of a topk-2, depth-2 tree: c0 (0.0), c1 (-1.0) at depth 1; children c2, c3 of c0 and c4, c5 of
     c1. c2 ties its parent (a child of probability 1) and c4 ties c1, its parent: ties go to the parent."""
-    tree_drafter = TreeDrafter(tiny_drafter(), TreeSetting(2, 2, kept + 1))
     candidates = [(torch.tensor([0.0, -1.0]), torch.tensor([10, 11]), torch.tensor([-1, -1])),
                   (torch.tensor([0.0, -2.0, -1.0, -3.0]), torch.tensor([12, 13, 14, 15]), torch.tensor([0, 0, 1, 1]))]
-    tree = tree_drafter._keep_best(candidates)
+    tokens, parents, depths, scores = keep_best(tiny_drafter(), candidates, topk=2, kept=kept).tolist()
+    tree = DraftTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
     expected = [[10], [10, 12], [10, 11, 12], [10, 11, 12, 14], [10, 11, 12, 13, 14], [10, 11, 12, 13, 14, 15]]
     assert tree.tokens == expected[kept - 1]
     parent_token = {10: None, 11: None, 12: 10, 13: 10, 14: 11, 15: 11}
@@ -89,15 +90,16 @@ def static_runtime(target: TargetRuntime, monkeypatch, static_layers_crop: bool)
     return static
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static-5.17-like", "static-padded"])
 @torch.inference_mode()
 def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache):
     """A tree verify's logits and aux features for each node equal a plain forward of prefix + root + its path;
     after keeping the prefix and one path the cache decodes on as if only that path had been fed (a static
-    cache: the path's rows moved down to the slots after the root)."""
+    cache: the path's rows moved down to the slots after the root). `static-padded`: the tree padded to a fixed
+    width of 10 rows (what the compiled verify runs), the padding rows dropped with the rejected ones."""
     target, tokenizer = smollm2
     if cache != "dynamic":
-        target = static_runtime(target, monkeypatch, static_layers_crop=cache == "static")
+        target = static_runtime(target, monkeypatch, static_layers_crop=cache != "static-5.17-like")
     prefix = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     root, n = prefix[-1], len(prefix) - 1
     words = tokenizer.encode(" Rome Milan, is and the")
@@ -106,7 +108,9 @@ def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache)
                      depths=[1, 1, 2, 2, 2, 3], scores=[0.0] * 6)
     kv = target.new_cache(64)
     target.forward(prefix[:-1], kv)
-    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), kv)
+    logits, aux = target.forward_tree([root] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), kv,
+                                      width=10 if cache == "static-padded" else None)
+    assert logits.shape[0] == aux.shape[0] == len(tree.tokens) + 1
 
     def path_to(node: int) -> list[int]:
         return [] if node == 0 else path_to(tree.parents[node - 1]) + [node]

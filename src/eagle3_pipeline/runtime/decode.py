@@ -65,6 +65,7 @@ class TargetRuntime:
         self.widths: list[int] = [1, self.prefill_width]  # input lengths the static step pads to (and compiles for)
         self.headroom = self.prefill_width  # rows the widest step writes beyond a sequence's tokens
         self.step = None
+        self.tree_step_failed = False  # compiling the tree verify failed: trees verify eagerly, chains stay compiled
         if compiled:
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -144,34 +145,58 @@ class TargetRuntime:
             remove_last_rows(cache, width - n)  # forget the padding rows
         return logits, aux
 
-    def _run(self, forward: Any, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, forward: Any, tokens: list[int], cache: Any, **inputs: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([tokens], device=self.device)
-        output = forward(input_ids=ids, use_cache=True, **{self.cache_argument: cache})
+        output = forward(input_ids=ids, use_cache=True, **inputs, **{self.cache_argument: cache})
         aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
         return output.logits[0], aux
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft tree in one (uncompiled) forward: `tokens` at rotary `positions`, written after the cached rows
-        (a static cache: slots n..n+T-1), token i attending to every cached row and to the tokens j with
-        `visible[i, j]` (its ancestors and itself). The mask goes in as an additive float [1, 1, q, keys] (keys:
-        cached + q, or a static cache's capacity), which transformers 5.x passes through unchanged (a 4D mask
-        counts as prepared) and which both the sdpa and the eager attention add to their scores."""
+    def forward_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any,
+                     width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft tree in one forward: `tokens` at rotary `positions`, written after the cached rows (a static
+        cache: slots n..n+T-1), token i attending to every cached row and to the tokens j with `visible[i, j]`
+        (its ancestors and itself). The mask goes in as an additive float [1, 1, q, keys] (keys: cached + q, or a
+        static cache's capacity), which transformers 5.x passes through unchanged (a 4D mask counts as prepared)
+        and which both the sdpa and the eager attention add to their scores.
+
+        A static cache pads the tree to `width` rows (one shape per tree setting; each padding row sees the
+        cached rows and itself, at positions after the tree's, and `keep_rows` drops it with the rejected rows)
+        and runs the compiled step where there is one: ids, positions and mask are its tensor inputs, so each
+        (width, cache) is captured once, as `forward`'s widths are."""
+        count = len(tokens)
+        width = max(width or count, count) if self.static else count
+        inputs = self._tree_inputs(tokens, positions, visible, cache, width)
+        padded = tokens + [tokens[-1]] * (width - count)
+        if self.step is None or self.tree_step_failed:
+            logits, aux = self._run(self.model.forward, padded, cache, **inputs)
+            return logits[:count], aux[:count]
+        torch.compiler.cudagraph_mark_step_begin()  # as in `forward`: the last outputs were copied out
+        try:
+            logits, aux = self._run(self.step, padded, cache, **inputs)
+        except Exception as exc:  # as in `forward` (the chain's compiled steps stay)
+            if self.log is not None:
+                self.log.warning("compiled tree verify failed (%s: %s); verifying trees eagerly",
+                                 type(exc).__name__, str(exc)[:300])
+            self.tree_step_failed = True
+            logits, aux = self._run(self.model.forward, padded, cache, **inputs)
+        return logits[:count].clone(), aux[:count].clone()  # a CUDA graph's outputs: the next replay's
+
+    def _tree_inputs(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any,
+                     width: int) -> dict[str, torch.Tensor]:
+        """position_ids [1, width] and the additive mask [1, 1, width, keys] of a tree padded to `width` rows."""
         cached, count = int(cache.get_seq_length()), len(tokens)
-        keys = int(cache.get_max_length()) if self.static else cached + count
-        allowed = torch.zeros(count, keys, dtype=torch.bool, device=self.device)
+        keys = int(cache.get_max_length()) if self.static else cached + width
+        after = max(positions) + 1
+        position_ids = torch.tensor([positions + list(range(after, after + width - count))], device=self.device)
+        allowed = torch.zeros(width, keys, dtype=torch.bool, device=self.device)
         allowed[:, :cached] = True
-        allowed[:, cached:cached + count] = visible.to(self.device)
+        allowed[:, cached:cached + width] = torch.eye(width, dtype=torch.bool, device=self.device)
+        allowed[:count, cached:cached + count] = visible.to(self.device)
         dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-        ids = torch.tensor([tokens], device=self.device)
-        position_ids = torch.tensor([positions], device=self.device)
-        output = self.model.forward(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                                    **{self.cache_argument: cache})
-        aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
-        return output.logits[0], aux
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return {"position_ids": position_ids, "attention_mask": mask[None, None]}
 
     @torch.inference_mode()
     def keep_rows(self, cache: Any, rows: list[int]) -> None:

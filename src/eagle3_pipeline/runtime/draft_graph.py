@@ -5,11 +5,13 @@ draft from the last real row, chain row i at position n-1+i), written without re
 host: which real row starts the chain is an index tensor, and draft ids map to target ids by `index_select`.
 Eagerly it is the chain itself; on CUDA `CapturedChain` records it once per (k, cache) and replays it, so a
 k-step chain costs one graph launch instead of ~30 kernel launches and a Python round trip per step (what
-servers do: SGLang and vLLM capture their draft steps in CUDA graphs too).
+servers do: SGLang and vLLM capture their draft steps in CUDA graphs too). `CapturedCalls` is that recording and
+replaying for any tensors-only drafting function (draft trees use it too: tree_graph.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,44 +46,65 @@ def to_target(drafter: Drafter, draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids + drafter.d2t.index_select(0, draft_ids)
 
 
+def cache_key(cache: StaticKV) -> tuple[int, int]:
+    """A static cache as a captured graph sees it: the address and the number of slots it reads and writes (a
+    cache of the same size later allocated at the same address is, to the graph, the same cache)."""
+    return cache.keys.data_ptr(), cache.capacity
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
-    drafts: torch.Tensor
-    logits: torch.Tensor
+    outputs: tuple[torch.Tensor, ...]
 
 
-class CapturedChain:
-    """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
-    (one per k and cache size). Inputs are copied into the graph's buffers, outputs
-    copied out (the next replay overwrites them)."""
+class CapturedCalls:
+    """Calls of a tensors-only function `steps(**inputs, **fixed) -> tensors`, replayed from CUDA graphs recorded
+    on first use, one per key. A key names what a graph reads and writes besides its inputs: the cache, by
+    address and size (`cache_key`; graphs stay while the caller keeps caches of several sizes), and any length
+    that shapes it. Inputs are copied into the graph's buffers, outputs copied out (the next replay overwrites
+    them)."""
 
-    def __init__(self, drafter: Drafter):
-        self.drafter = drafter
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+    def __init__(self, steps: Callable[..., tuple[torch.Tensor, ...]]):
+        self.steps = steps
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
 
-    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (k, cache.keys.data_ptr())  # the proposer keeps its caches: an address is never reused
+    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], **fixed: Any
+                 ) -> tuple[torch.Tensor, ...]:
         if key not in self.graphs:
-            self.graphs[key] = self._record(ids, hidden, positions, last, cache, k)
+            self.graphs[key] = self._record(inputs, fixed)
         recorded = self.graphs[key]
-        for name, value in (("ids", ids), ("hidden", hidden), ("positions", positions), ("last", last)):
+        for name, value in inputs.items():
             recorded.inputs[name].copy_(value)
         recorded.graph.replay()
-        return recorded.drafts.clone(), recorded.logits.clone()
+        return tuple(output.clone() for output in recorded.outputs)
 
-    def _record(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                cache: StaticKV, k: int) -> _Graph:
-        inputs = {"ids": ids.clone(), "hidden": hidden.clone(), "positions": positions.clone(), "last": last.clone()}
+    def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
+        inputs = {name: value.clone() for name, value in inputs.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (library handles, workspaces): it writes the same rows twice
             for _ in range(2):
-                chain_steps(self.drafter, **inputs, cache=cache, k=k)
+                self.steps(**inputs, **fixed)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            drafts, logits, _ = chain_steps(self.drafter, **inputs, cache=cache, k=k)
-        return _Graph(graph, inputs, drafts, logits)
+            outputs = self.steps(**inputs, **fixed)
+        return _Graph(graph, inputs, outputs)
+
+
+class CapturedChain:
+    """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
+    (one per k and cache)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.calls = CapturedCalls(lambda **arguments: chain_steps(**arguments)[:2])
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                 cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts, logits = self.calls((*cache_key(cache), k),
+                                    {"ids": ids, "hidden": hidden, "positions": positions, "last": last},
+                                    drafter=self.drafter, cache=cache, k=k)
+        return drafts, logits

@@ -208,7 +208,7 @@ def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = F
             methods[f"{name}@k={k}"] = (DrafterProposer(drafter, compiled=compiled, log=log), k)
     for setting in trees:
         if "eagle3" in drafters:
-            methods[setting.method()] = (TreeDrafter(drafters["eagle3"], setting), setting.num_steps)
+            methods[setting.method()] = (TreeDrafter(drafters["eagle3"], setting, compiled, log), setting.num_steps)
     return methods
 
 

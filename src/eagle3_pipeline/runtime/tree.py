@@ -7,13 +7,15 @@ depth (by cumulative log-probability) are expanded, each with its top-`topk` chi
 its token at rotary position n-1+depth (the chain's rule) and attends to the real rows plus its own ancestors' rows.
 After `num_steps` depths the best `num_draft_tokens - 1` of all candidates are kept (`num_draft_tokens` counts the
 root: the target's own next token, which is verified with them). A child's cumulative log-probability is never above
-its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept.
+its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept. The
+drafting runs as tensors only at shapes fixed by the setting (tree_graph.py), replayed from a CUDA graph on GPU.
 
 Verifying: one target forward over [root, nodes...] at positions n + depth, each attending to the cached prefix,
 the root and its own ancestors. The longest root-to-leaf path whose every token equals the target's argmax at its
 parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
-path (a static cache: the tree's rows were written at slots n..n+T-1 and the path's rows are moved down to
-n+1..), and the path's aux features go to the drafter.
+path (a static cache: the tree, padded to num_draft_tokens rows and verified by the compiled step where there is
+one, was written at slots n..n+T-1 and the path's rows are moved down to n+1..), and the path's aux features go
+to the drafter.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from eagle3_pipeline.drafter.attention import repeat_kv
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
+from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_steps
 from eagle3_pipeline.workflow_config import tree_setting_problem
 
 METHOD_PATTERN = re.compile(r"^[\w-]+-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
@@ -84,23 +85,6 @@ def tree_problem(target: TargetRuntime) -> str | None:
 
 
 @dataclass(frozen=True)
-class TreeKV:
-    """Drafter cache for one tree depth: the real rows and the tree rows so far; the new rows see the columns where
-    `visible` [new rows, cached + new rows] is true (the real rows, their ancestors' rows and their own)."""
-    keys: torch.Tensor  # [1, kv_heads, rows, head_dim]
-    values: torch.Tensor
-    visible: torch.Tensor
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-               ) -> tuple[torch.Tensor, TreeKV]:
-        keys, values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
-        heads = q.shape[1]
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, heads), repeat_kv(values, heads),
-                                             attn_mask=self.visible)
-        return out, TreeKV(keys, values, self.visible)
-
-
-@dataclass(frozen=True)
 class DraftTree:
     """Nodes 1..T-1 of a verify step (node 0 is the root): target ids, parent node, depth, in parent-first order."""
     tokens: list[int]
@@ -131,10 +115,17 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """Dynamic trees from an EAGLE-3 drafter; its cache of real rows is a DrafterProposer's (eager)."""
+    """Dynamic trees from an EAGLE-3 drafter: its real rows in a DrafterProposer's static cache (padded to steps + 1
+    rows, one shape per setting), the whole tree drafted by `tree_graph.tree_steps` with one device-to-host copy.
+    `compiled` (CUDA): that drafting is recorded once per cache as a CUDA graph and replayed."""
 
-    def __init__(self, drafter: Drafter, setting: TreeSetting):
-        self.proposer = DrafterProposer(drafter)
+    def __init__(self, drafter: Drafter, setting: TreeSetting, compiled: bool = False, log: Any = None):
+        self.rows = TreeRows.empty(drafter, (setting.num_steps - 1) * setting.topk)
+        self.captured = (CapturedTree(drafter, self.rows, setting.num_steps, setting.topk,
+                                      setting.num_draft_tokens - 1)
+                         if compiled and self.rows.keys.device.type == "cuda" else None)
+        self.log = log
+        self.proposer = DrafterProposer(drafter, static=True)
         self.drafter = self.proposer.drafter
         self.setting = setting
 
@@ -144,73 +135,23 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
-        topk, n = self.setting.topk, features.shape[0]
-        logits, hidden = self.proposer.extend(context, features, self.setting.num_steps)
-        scores, ids = torch.log_softmax(logits.float(), -1).topk(topk)
-        candidates = [(scores, ids, torch.full((topk,), -1, device=ids.device))]
-        frontier = Frontier(torch.arange(topk, device=ids.device), scores, ids, hidden.expand(1, topk, -1),
-                            torch.full((topk,), -1, device=ids.device))
-        cache = self.proposer.cache
-        keys, values = cache.keys, cache.values
-        seen = torch.zeros(0, 0, dtype=torch.bool, device=ids.device)  # tree row i sees tree row j
-        for depth in range(1, self.setting.num_steps):
-            seen, visible = frontier.rows_seen(seen, keys.shape[2])
-            positions = torch.full((1, topk), n - 1 + depth, device=ids.device)
-            tokens = self.drafter.draft_to_target(frontier.ids)[None]
-            logits, hidden, cache = self.drafter.decode(tokens, frontier.hidden, positions,
-                                                        TreeKV(keys, values, visible))
-            keys, values = cache.keys, cache.values
-            child_scores, child_ids = torch.log_softmax(logits[0].float(), -1).topk(topk, dim=-1)
-            child_scores = (frontier.scores[:, None] + child_scores).flatten()
-            first = sum(len(c[0]) for c in candidates)
-            candidates.append((child_scores, child_ids.flatten(), frontier.index.repeat_interleave(topk)))
-            frontier = frontier.expanded(child_scores, child_ids.flatten(), hidden, first, seen.shape[0] - topk)
-        return self._keep_best(candidates)
-
-    def _keep_best(self, candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> DraftTree:
-        """The best num_draft_tokens - 1 candidates by cumulative log-probability, in candidate (parent-first)
-        order; ties go to the earlier candidate (a stable sort), so a node never comes without its parent."""
-        scores, ids, parents = (torch.cat(parts) for parts in zip(*candidates, strict=True))
-        best = torch.sort(scores, descending=True, stable=True).indices[: self.setting.num_draft_tokens - 1]
-        kept = best.sort().values
-        # one device-to-host copy for the whole tree (float64 holds every token id exactly)
-        columns = [kept, parents[kept], self.drafter.draft_to_target(ids[kept]), scores[kept]]
-        kept_list, parent_list, tokens, kept_scores = torch.stack([c.double() for c in columns]).tolist()
-        node_of = {int(candidate): node for node, candidate in enumerate(kept_list, start=1)} | {-1: 0}
-        topk = self.setting.topk
-        depths = [1 if c < topk else 2 + (int(c) - topk) // topk ** 2 for c in kept_list]
-        return DraftTree([int(t) for t in tokens], [node_of[int(p)] for p in parent_list], depths, kept_scores)
-
-
-@dataclass(frozen=True)
-class Frontier:
-    """The nodes expanded at the next depth: candidate index, cumulative log-probability, draft-vocab id, the
-    hidden state their rows are fed (their parent row's output) and their parent's tree row (-1: the real rows)."""
-    index: torch.Tensor
-    scores: torch.Tensor
-    ids: torch.Tensor
-    hidden: torch.Tensor  # [1, topk, H]
-    parent_row: torch.Tensor
-
-    def rows_seen(self, seen: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add this frontier's rows to `seen` (each sees its parent's row's ancestors and itself); also the
-        attention mask of the new rows over every drafter row [topk, cached + topk]."""
-        rows, topk = seen.shape[0], len(self.index)
-        padded = torch.cat([seen, torch.zeros(1, rows, dtype=torch.bool, device=seen.device)])  # row -1: none
-        new = torch.cat([padded[self.parent_row], torch.eye(topk, dtype=torch.bool, device=seen.device)], dim=1)
-        grown = torch.cat([torch.cat([seen, torch.zeros(rows, topk, dtype=torch.bool, device=seen.device)], dim=1),
-                           new])
-        real = torch.ones(topk, cached - rows, dtype=torch.bool, device=seen.device)
-        return grown, torch.cat([real, new], dim=1)
-
-    def expanded(self, child_scores: torch.Tensor, child_ids: torch.Tensor, hidden: torch.Tensor, first: int,
-                 rows: int) -> Frontier:
-        """The next depth's frontier: the best `topk` children (stable: ties go to the earlier child). `first`:
-        their candidate index offset; `rows`: the tree row of this depth's first node."""
-        topk = len(self.index)
-        best = torch.sort(child_scores, descending=True, stable=True).indices[:topk]
-        return Frontier(first + best, child_scores[best], child_ids[best], hidden[:, best // topk],
-                        rows + best // topk)
+        steps = self.setting.num_steps
+        ids, hidden, positions, new = self.proposer._real_rows(context, features, steps)
+        last, cache = torch.tensor([new - 1], device=self.proposer.device), self.proposer.cache
+        packed = None
+        if self.captured is not None and ids.shape[1] == steps + 1:
+            try:
+                packed = self.captured(ids, hidden, positions, last, cache)
+            except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
+                if self.log is not None:
+                    self.log.warning("draft tree CUDA graph failed (%s: %s); drafting trees eagerly",
+                                     type(exc).__name__, str(exc)[:300])
+                self.captured = None
+        if packed is None:
+            (packed,) = tree_steps(self.drafter, ids, hidden, positions, last, cache, self.rows, steps,
+                                   self.setting.topk, self.setting.num_draft_tokens - 1)
+        tokens, parents, depths, scores = packed.tolist()  # the one device-to-host copy of the step
+        return DraftTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
 
 
 def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: list[int], max_new: int,
@@ -227,7 +168,7 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
         synchronize(target.device)
         middle = time.perf_counter()
         logits, aux = target.forward_tree([context[-1]] + tree.tokens, [n + d for d in [0, *tree.depths]],
-                                          tree.visible(), cache)
+                                          tree.visible(), cache, width=drafter.setting.num_draft_tokens)
         predictions = logits.argmax(-1).tolist()
         synchronize(target.device)
         trace.draft_seconds += middle - tick
