@@ -172,6 +172,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
         "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}]}, trust_remote_code=False)
     result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
+    assert not result["compiled"] and result["compiled_steps_without_cuda_graphs"] == 0  # eager on a CPU
     for speeds in result["sets"].values():
         assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3",
                                "eagle3-tree(steps=2,topk=2,tokens=4)"}
@@ -218,6 +219,31 @@ def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_pa
         torch.testing.assert_close(static_aux, eager_aux, rtol=1e-4, atol=1e-3)
     assert sorted(static.static_caches) == [64, 128]  # each prompt in the smallest cache that holds it
     assert static.widths == [1, 4, 16]
+
+
+@torch.inference_mode()
+def test_a_fresh_static_cache_takes_its_first_step_eagerly(target_dir):
+    """transformers allocates a static cache on first use and marks its tensors as static addresses only outside
+    a compiled region; allocated inside one, CUDA graphs are skipped for every step that mutates the cache (seen on
+    the H200). The compiled step is stood in for by the model's own forward, recording the widths it ran."""
+    model = load_model(target_dir, "cpu", torch.float32)
+    runtime = TargetRuntime(model, [2, 15, 27], static=True)
+    runtime.prepare([3])
+    widths: list[int] = []
+
+    def step(**inputs):
+        widths.append(inputs["input_ids"].shape[1])
+        return model.forward(**inputs)
+
+    runtime.step = step
+    prompt = list(range(100, 200))  # two prefill chunks of 64
+    cache = runtime.new_cache(len(prompt) + 8)
+    logits, _ = runtime.forward(prompt, cache)
+    assert widths == [64]  # the first chunk ran eagerly, the second (36 tokens, padded) through the step
+    runtime.forward([int(logits[-1].argmax())], cache)
+    assert widths == [64, 1] and int(cache.get_seq_length()) == 101
+    runtime.forward(prompt[:30], runtime.new_cache(40))  # the reused cache is allocated: straight to the step
+    assert widths == [64, 1, 64]
 
 
 def test_compile_auto_means_the_timing_pass_on_cuda():

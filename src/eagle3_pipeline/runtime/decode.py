@@ -123,7 +123,9 @@ class TargetRuntime:
         n = len(tokens)
         width = next(w for w in self.widths if w >= n)
         padded = tokens + [tokens[-1]] * (width - n)
-        if self.step is not None:
+        # a new cache allocates its tensors on first use: eagerly, so transformers marks them static addresses
+        # (inside a compiled step it cannot, and CUDA graphs are skipped for the mutated cache)
+        if self.step is not None and all(getattr(layer, "is_initialized", True) for layer in cache.layers):
             # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
             # (without this, alternating with other graphs records new tree paths instead of replaying)
             torch.compiler.cudagraph_mark_step_begin()
@@ -225,6 +227,14 @@ class TargetRuntime:
         extra = int(cache.get_seq_length()) - keep
         if extra > 0:
             remove_last_rows(cache, extra)
+
+
+def steps_without_cuda_graphs() -> int:
+    """How many compiled graphs of this process inductor runs without CUDA graphs (torch logs each reason under
+    `[__cudagraphs]`): such a step pays one launch per kernel, so its timing is not a captured step's."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 def static_size(rows: int, smallest: int = 256) -> int:

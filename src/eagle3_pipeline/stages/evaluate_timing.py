@@ -12,7 +12,7 @@ from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
-from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.devices import pick_device
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import (
@@ -62,6 +62,9 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
         log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
         decode_prompt(target, methods, "warm-up", ids, max_new if size else min(max_new, 16), eos, strict)
+    if target.compiled and (skipped := steps_without_cuda_graphs()):
+        log.warning("timing pass: %d compiled step(s) run without CUDA graphs (torch's [__cudagraphs] log lines say "
+                    "why): their speeds are launch-bound, not a captured step's", skipped)
     results = {}
     for name, prompts in encoded.items():
         by_method: dict[str, list[Trace]] = {}
@@ -102,7 +105,9 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
                        settings.max_new_tokens, settings.dtype == "float32", log, settings.trees)
     return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings.device),
             "dtype": settings.dtype, "prompts_per_set": settings.prompts,
-            "max_new_tokens": settings.max_new_tokens, "sets": sets}
+            "max_new_tokens": settings.max_new_tokens, "compiled": target.compiled,
+            "compiled_steps_without_cuda_graphs": steps_without_cuda_graphs() if target.compiled else 0,
+            "sets": sets}
 
 
 def run(target_dir: Path, serving_dir: Path, prompt_files: dict[str, Path], output: Path, settings: Settings,
