@@ -103,3 +103,19 @@ def test_vocab_refuses_shards_without_assistant_tokens(tmp_path, target_dir):
         vocab_stage.build_vocab([tmp_path / "shard-00000.zarr"], target_dir, 100, tmp_path / "v.safetensors",
                                 logging.getLogger("test"))
     assert not (tmp_path / "v.safetensors").exists()
+
+
+def test_vocab_reads_a_multimodal_targets_nested_vocabulary(tmp_path):
+    """Gemma 3's image-text config keeps vocab_size under text_config, none at the top level."""
+    import logging
+
+    from transformers import Gemma3Config, Gemma3TextConfig
+
+    from eagle3_pipeline.stages import vocab as vocab_stage
+
+    target = tmp_path / "target"
+    Gemma3Config(text_config=Gemma3TextConfig(vocab_size=1000)).save_pretrained(target)
+    token_shards.write(tmp_path / "shard-00000.zarr", sequences(np.random.default_rng(0)), {})
+    stats = vocab_stage.build_vocab([tmp_path / "shard-00000.zarr"], target, 100, tmp_path / "v.safetensors",
+                                    logging.getLogger("test"))
+    assert stats["vocab_size"] == 1000 and stats["draft_vocab_size"] <= 100

@@ -30,7 +30,7 @@ class Settings:
 
 def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int, output: Path,
                 log: logging.Logger) -> dict[str, Any]:
-    vocab_size = load_config(target_dir).vocab_size
+    vocab_size = load_config(target_dir).get_text_config().vocab_size  # multimodal configs nest it
     counts = np.zeros(vocab_size, dtype=np.int64)
     per_shard = {}
     for path in shard_paths:
