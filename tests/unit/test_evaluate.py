@@ -132,6 +132,33 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
     assert not torch.allclose(old_logits[1:], expected_logits[1:], rtol=1e-4, atol=1e-4)
 
 
+@torch.inference_mode()
+def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained):
+    """On a GPU the captured chain records `fused(chain_drafts)` (inductor's kernels); here the same compiled
+    function runs on the CPU against the eager one, from a fresh static cache each time."""
+    from eagle3_pipeline.formats.hidden_store import HiddenStore
+    from eagle3_pipeline.runtime.draft_graph import chain_drafts, fused
+
+    target, drafter, store = trained
+    ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
+    _, features = target.forward(ids, target.new_cache(len(ids)))
+    k, n = 3, 20
+
+    def arguments() -> dict:
+        proposer = drafting.DrafterProposer(drafter, static=True)
+        proposer.reset(64)
+        rows, hidden, positions, new = proposer._real_rows(ids[:n + 1], features[:n], k)
+        return {"drafter": drafter, "ids": rows, "hidden": hidden, "positions": positions,
+                "last": torch.tensor([new - 1]), "cache": proposer.cache, "k": k}
+
+    eager_drafts, eager_logits = chain_drafts(**arguments())
+    fused_drafts, fused_logits = fused(chain_drafts)(**arguments())
+    assert fused_drafts.tolist() == eager_drafts.tolist() and len(eager_drafts) == k
+    torch.testing.assert_close(fused_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    explained = torch._dynamo.explain(chain_drafts)(**arguments())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0  # the whole chain is one graph
+
+
 def test_low_precision_counts_divergence_where_fp32_raises():
     reference = [Trace("a", "target", [1, 2, 3, 4], total_seconds=1.0), Trace("b", "target", [5, 6], total_seconds=1.0)]
     drafted = [Trace("b", "eagle3@k=2", [5, 6], accepted=[1], drafted=[2], target_forwards=1, total_seconds=1.0),

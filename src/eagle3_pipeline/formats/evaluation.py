@@ -4,7 +4,8 @@
 Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}},
 the per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
 speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompts}}}, the settings, `compiled` and
-`compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds suspect). The CSV has TAU_COLUMNS, one row
+`compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds
+suspect). The CSV has TAU_COLUMNS, one row
 per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run
 that method, e.g. the untrained baseline), and for EAGLE-3 chains and trees the SGLang flags of that setting
 (the summary's `sglang_flags`).

@@ -59,15 +59,25 @@ class _Graph:
     outputs: tuple[torch.Tensor, ...]
 
 
+def fused(steps: Callable[..., Any]) -> Callable[..., Any]:
+    """`steps` compiled by inductor without CUDA graphs of its own (ours record it): a drafter step's norms,
+    rotary and elementwise ops fuse into a few kernels instead of ~60 launches of tiny ones. One compilation per
+    shape (k, cache size, tree setting)."""
+    return torch.compile(steps, dynamic=False)
+
+
 class CapturedCalls:
     """Calls of a tensors-only function `steps(**inputs, **fixed) -> tensors`, replayed from CUDA graphs recorded
     on first use, one per key. A key names what a graph reads and writes besides its inputs: the cache, by
     address and size (`cache_key`; graphs stay while the caller keeps caches of several sizes), and any length
     that shapes it. Inputs are copied into the graph's buffers, outputs copied out (the next replay overwrites
-    them)."""
+    them). `fuse`: the graphs record the inductor-compiled function (`fused`); where it fails to compile, the
+    eager kernels, with the reason logged."""
 
-    def __init__(self, steps: Callable[..., tuple[torch.Tensor, ...]]):
+    def __init__(self, steps: Callable[..., tuple[torch.Tensor, ...]], fuse: bool = False, log: Any = None):
         self.steps = steps
+        self.fused = fused(steps) if fuse else None
+        self.log = log
         self.graphs: dict[tuple[int, ...], _Graph] = {}
 
     def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], **fixed: Any
@@ -82,25 +92,49 @@ class CapturedCalls:
 
     def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
         inputs = {name: value.clone() for name, value in inputs.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (library handles, workspaces): it writes the same rows twice
-            for _ in range(2):
-                self.steps(**inputs, **fixed)
-        torch.cuda.current_stream().wait_stream(side)
+        steps = self._warmed_up(inputs, fixed)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = self.steps(**inputs, **fixed)
+            outputs = steps(**inputs, **fixed)
         return _Graph(graph, inputs, outputs)
+
+    def _warmed_up(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> Callable[..., Any]:
+        """The function to record, after two runs on a side stream (compilation, library handles, workspaces; it
+        writes the same rows each time): the fused one where it compiles, else the eager one."""
+        if self.fused is not None:
+            try:
+                return self._warm_up(self.fused, inputs, fixed)
+            except Exception as exc:  # no Triton, an unsupported op, a compiler error: record the eager kernels
+                if self.log is not None:
+                    self.log.warning("fusing the drafter's steps failed (%s: %s); its CUDA graphs record the eager "
+                                     "kernels", type(exc).__name__, str(exc)[:300])
+                self.fused = None
+        return self._warm_up(self.steps, inputs, fixed)
+
+    @staticmethod
+    def _warm_up(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]
+                 ) -> Callable[..., Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                steps(**inputs, **fixed)
+        torch.cuda.current_stream().wait_stream(side)
+        return steps
+
+
+def chain_drafts(**arguments: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chain_steps` without the cache it returns: what a recorded chain outputs."""
+    return chain_steps(**arguments)[:2]
 
 
 class CapturedChain:
     """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
-    (one per k and cache)."""
+    (one per k and cache); `fuse`: of its inductor-compiled kernels."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, fuse: bool = True, log: Any = None):
         self.drafter = drafter
-        self.calls = CapturedCalls(lambda **arguments: chain_steps(**arguments)[:2])
+        self.calls = CapturedCalls(chain_drafts, fuse, log)
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                  cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,18 +21,20 @@ class DrafterProposer:
 
     `static`: the cache is a preallocated StaticKV and the verified rows of a step are padded to k + 1, so the
     chain sees one shape per k. `compiled` (CUDA): that chain is recorded once as a CUDA graph and replayed
-    (draft_graph.CapturedChain). Padding rows sit beyond the last real position, where the chain and the next
-    step overwrite them. Static caches are kept per power-of-two size, and a sequence takes the smallest that
-    holds it (attention reads every slot), as the target's do."""
+    (draft_graph.CapturedChain; `fuse`: of its inductor-compiled kernels). Padding rows sit beyond the last real
+    position, where the chain and the next step overwrite them. Static caches are kept per power-of-two size, and
+    a sequence takes the smallest that holds it (attention reads every slot), as the target's do."""
 
-    def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None):
+    def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None,
+                 fuse: bool = True):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
         self.cache: DecodeKV | StaticKV | None = None
         self.done = 0  # rows (f_t, x_{t+1}) already in the cache
         self.static = static or compiled
         self.static_caches: dict[int, StaticKV] = {}  # by size (slots)
-        self.captured = CapturedChain(drafter) if compiled and self.device.type == "cuda" else None
+        self.captured = (CapturedChain(drafter, fuse, log) if compiled and self.device.type == "cuda"
+                         else None)
         if compiled and self.captured is None and log is not None:
             log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
         self.log = log

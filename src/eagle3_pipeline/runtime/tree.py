@@ -122,7 +122,7 @@ class TreeDrafter:
     def __init__(self, drafter: Drafter, setting: TreeSetting, compiled: bool = False, log: Any = None):
         self.rows = TreeRows.empty(drafter, (setting.num_steps - 1) * setting.topk)
         self.captured = (CapturedTree(drafter, self.rows, setting.num_steps, setting.topk,
-                                      setting.num_draft_tokens - 1)
+                                      setting.num_draft_tokens - 1, log)
                          if compiled and self.rows.keys.device.type == "cuda" else None)
         self.log = log
         self.proposer = DrafterProposer(drafter, static=True)

@@ -11,6 +11,7 @@ back to the host until the whole tree is packed into one [4, tokens - 1] tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +115,9 @@ class CapturedTree:
     """`tree_steps` for a StaticKV cache with steps + 1 real rows, replayed from CUDA graphs recorded on first use
     (one per cache; a setting's tree rows are its drafter's own)."""
 
-    def __init__(self, drafter: Drafter, rows: TreeRows, steps: int, topk: int, kept: int):
+    def __init__(self, drafter: Drafter, rows: TreeRows, steps: int, topk: int, kept: int, log: Any = None):
         self.fixed = {"drafter": drafter, "rows": rows, "steps": steps, "topk": topk, "kept": kept}
-        self.calls = CapturedCalls(tree_steps)
+        self.calls = CapturedCalls(tree_steps, fuse=True, log=log)
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                  cache: StaticKV) -> torch.Tensor:
