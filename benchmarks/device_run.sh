@@ -10,7 +10,6 @@
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
 #             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run.
-# bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
@@ -22,6 +21,7 @@
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 # Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
+# bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 set -uo pipefail
 stage=$1 out=$2
 export PYTHONPATH=/opt/e3/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -131,7 +131,7 @@ def test_fused_tree_drafting_drafts_the_eager_trees(model):
     def arguments() -> dict:
         tree = TreeDrafter(drafter, setting)
         tree.reset(64)
-        rows, hidden, positions, new = tree.proposer._real_rows(ids, features[:-1], setting.num_steps)
+        rows, hidden, positions, new = tree.proposer.real_rows(ids, features[:-1], setting.num_steps)
         return {"drafter": drafter, "ids": rows, "hidden": hidden, "positions": positions,
                 "last": torch.tensor([new - 1], device=DEVICE), "cache": tree.proposer.cache, "rows": tree.rows,
                 "steps": setting.num_steps, "topk": setting.topk, "kept": setting.num_draft_tokens - 1}

@@ -56,9 +56,7 @@ class TargetRuntime:
             static = compiled = False
         self.static = static or compiled
         self.static_caches: dict[int, Any] = {}  # by size (slots)
-        # slots: chat prompts with 128 new tokens fit one size (each size compiles every width again, ~20 s each);
-        # a benchmark raises it to show what one long cache costs
-        self.smallest_cache = 512
+        self.smallest_cache = SMALLEST_CACHE  # a benchmark raises it to show what one long cache costs
         # a prompt is prefilled in chunks of this many tokens: a few captured steps instead of an eager forward,
         # whose ~30 ms of kernel launches would weigh in every method's time as no server's prefill does
         self.prefill_width = 64
@@ -126,18 +124,9 @@ class TargetRuntime:
         # a new cache allocates its tensors on first use: eagerly, so transformers marks them static addresses
         # (inside a compiled step it cannot, and CUDA graphs are skipped for the mutated cache)
         if self.step is not None and all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-            # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
-            # (without this, alternating with other graphs records new tree paths instead of replaying)
-            torch.compiler.cudagraph_mark_step_begin()
-            try:
-                logits, aux = self._run(self.step, padded, cache)
-            except Exception as exc:  # no Triton, unsupported op, compiler error: decode eagerly instead
-                # (compilation fails before the step runs, so the cache is as it was)
-                if self.log is not None:
-                    self.log.warning("compiled target step failed (%s: %s); decoding eagerly", type(exc).__name__,
-                                     str(exc)[:300])
+            logits, aux, failed = self._through_step(padded, cache, "target step")
+            if failed:
                 self.step = None
-                logits, aux = self._run(self.model.forward, padded, cache)
             # CUDA-graph outputs are overwritten by the next replay: keep copies of the rows asked for
             logits, aux = logits[:n].clone(), aux[:n].clone()
         else:
@@ -146,6 +135,24 @@ class TargetRuntime:
         if width > n:
             remove_last_rows(cache, width - n)  # forget the padding rows
         return logits, aux
+
+    def _through_step(self, padded: list[int], cache: Any, what: str, **inputs: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`padded` through the compiled step: (logits, aux, failed). Where it raises (no Triton, an unsupported op,
+        a compiler error, a failed capture) the cache goes back to its length before the call - a failure past the
+        first layers has advanced some of them - and the tokens run eagerly."""
+        before = int(cache.get_seq_length())
+        # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
+        # (without this, alternating with other graphs records new tree paths instead of replaying)
+        torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return *self._run(self.step, padded, cache, **inputs), False
+        except Exception as exc:
+            if self.log is not None:
+                self.log.warning("compiled %s failed (%s: %s); running it eagerly", what, type(exc).__name__,
+                                 str(exc)[:300])
+            rewind(cache, before)
+            return *self._run(self.model.forward, padded, cache, **inputs), True
 
     def _run(self, forward: Any, tokens: list[int], cache: Any, **inputs: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,10 +170,11 @@ class TargetRuntime:
         static cache's capacity), which transformers 5.x passes through unchanged (a 4D mask counts as prepared)
         and which both the sdpa and the eager attention add to their scores.
 
-        A static cache pads the tree to `width` rows (one shape per tree setting; each padding row sees the
-        cached rows and itself, at positions after the tree's, and `keep_rows` drops it with the rejected rows)
-        and runs the compiled step where there is one: ids, positions and mask are its tensor inputs, so each
-        (width, cache) is captured once, as `forward`'s widths are."""
+        A static cache pads a tree to `width` rows (one shape per tree setting; drafted trees always fill it, the
+        padding serves smaller ones: each padding row sees the cached rows and itself, at positions after the
+        tree's, and `keep_rows` drops it with the rejected rows) and runs the compiled step where there is one:
+        ids, positions and mask are its tensor inputs, so each (width, cache) is captured once, as `forward`'s
+        widths are."""
         count = len(tokens)
         width = max(width or count, count) if self.static else count
         inputs = self._tree_inputs(tokens, positions, visible, cache, width)
@@ -174,15 +182,8 @@ class TargetRuntime:
         if self.step is None or self.tree_step_failed:
             logits, aux = self._run(self.model.forward, padded, cache, **inputs)
             return logits[:count], aux[:count]
-        torch.compiler.cudagraph_mark_step_begin()  # as in `forward`: the last outputs were copied out
-        try:
-            logits, aux = self._run(self.step, padded, cache, **inputs)
-        except Exception as exc:  # as in `forward` (the chain's compiled steps stay)
-            if self.log is not None:
-                self.log.warning("compiled tree verify failed (%s: %s); verifying trees eagerly",
-                                 type(exc).__name__, str(exc)[:300])
-            self.tree_step_failed = True
-            logits, aux = self._run(self.model.forward, padded, cache, **inputs)
+        logits, aux, failed = self._through_step(padded, cache, "tree verify", **inputs)
+        self.tree_step_failed = failed  # trees verify eagerly from now on, the chain's steps stay compiled
         return logits[:count].clone(), aux[:count].clone()  # a CUDA graph's outputs: the next replay's
 
     def _tree_inputs(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any,
@@ -237,7 +238,11 @@ def steps_without_cuda_graphs() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
-def static_size(rows: int, smallest: int = 256) -> int:
+# slots: chat prompts with 128 new tokens fit one size (each size compiles every width again, ~20 s each)
+SMALLEST_CACHE = 512
+
+
+def static_size(rows: int, smallest: int = SMALLEST_CACHE) -> int:
     """A static cache's slots for `rows` rows: the next power of two, at least `smallest`."""
     return max(smallest, 1 << (rows - 1).bit_length())
 
@@ -249,6 +254,19 @@ def has_sliding_layers(model: torch.nn.Module) -> bool:
 
     probe = StaticCache(config=model.config, max_cache_len=8)
     return any(getattr(layer, "is_sliding", False) for layer in getattr(probe, "layers", []))
+
+
+def rewind(cache: Any, rows: int) -> None:
+    """Every layer of `cache` back to `rows` rows (after a step that failed part-way, some layers may have
+    advanced and others not)."""
+    for layer in cache.layers:
+        extra = int(layer.get_seq_length()) - rows
+        if extra <= 0:
+            continue
+        if hasattr(layer, "crop"):
+            layer.crop(-extra)
+        else:  # transformers 5.17's static layers: see remove_last_rows
+            layer.cumulative_length.sub_(extra)
 
 
 def remove_last_rows(cache: Any, count: int) -> None:

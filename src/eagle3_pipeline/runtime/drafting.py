@@ -61,7 +61,7 @@ class DrafterProposer:
         Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
         feature f_p) at position p; the first draft from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
-        ids, hidden, positions, new = self._real_rows(context, features, k)
+        ids, hidden, positions, new = self.real_rows(context, features, k)
         width, last = ids.shape[1], torch.tensor([new - 1], device=self.device)
         if self.captured is not None and width == k + 1:
             try:
@@ -74,16 +74,7 @@ class DrafterProposer:
         drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden, positions, last, self.cache, k)
         return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
 
-    @torch.inference_mode()
-    def extend(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the real rows not yet in the cache (real row p at position p); return the last real row's
-        draft-vocab logits [K] (the first draft's distribution) and its pre-norm hidden state [1, 1, H] - where
-        a draft tree starts. `k`: the draft length, for the static cache's padding width."""
-        ids, hidden, positions, new = self._real_rows(context, features, k)
-        logits, hidden, self.cache = self.drafter.decode(ids, hidden, positions, self.cache)
-        return logits[0, new - 1], hidden[:, new - 1:new]
-
-    def _real_rows(self, context: list[int], features: torch.Tensor, k: int
+    def real_rows(self, context: list[int], features: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """The rows the drafter has not seen (ids [1,W], features [1,W,3H], positions [1,W]) and how many are
         real: with a static cache padded to k + 1 (the cache reserved for them and the chain)."""

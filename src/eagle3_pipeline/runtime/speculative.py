@@ -176,9 +176,7 @@ def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], dra
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = end_of_sequence(tokenizer)
-    trees = usable_trees(target, trees, log)
-    methods = method_table(drafters, ks, target.compiled, log, trees)
-    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
+    methods = prepared_methods(target, drafters, ks, log, trees)
     progress = Progress(log, "prompts (all methods)", len(prompts))
     for pid, ids in encode_prompts(tokenizer, prompts):
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
@@ -212,6 +210,14 @@ def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = F
     return methods
 
 
+def prepared_methods(target: TargetRuntime, drafters: dict[str, Drafter], ks: list[int], log: Any,
+                     trees: tuple[TreeSetting, ...] = ()) -> dict[str, Method]:
+    """The method table (trees this runtime can verify) and the target prepared for their step widths."""
+    trees = usable_trees(target, trees, log)
+    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
+    return method_table(drafters, ks, target.compiled, log, trees)
+
+
 def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any) -> tuple[TreeSetting, ...]:
     """The tree settings this target runtime can verify (none, with the reason logged, where it cannot)."""
     problem = tree_problem(target) if trees else None
@@ -228,7 +234,8 @@ def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: 
     finished = {"target": reference}
     for method, (propose, k) in methods.items():
         if isinstance(propose, DrafterProposer | TreeDrafter):
-            propose.reset(target.cache_size(len(ids) + max_new))  # static caches: the target's size class
+            # static: the drafter's cache of the target's size (an eager target's tau pass: grown as needed)
+            propose.reset(target.cache_size(len(ids) + max_new) if target.static else 0)
         if isinstance(propose, TreeDrafter):
             trace = tree_speculative(target, propose, ids, max_new, eos, prompt_id, method)
         else:

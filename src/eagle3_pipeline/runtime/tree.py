@@ -136,7 +136,7 @@ class TreeDrafter:
     def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
         steps = self.setting.num_steps
-        ids, hidden, positions, new = self.proposer._real_rows(context, features, steps)
+        ids, hidden, positions, new = self.proposer.real_rows(context, features, steps)
         last, cache = torch.tensor([new - 1], device=self.proposer.device), self.proposer.cache
         packed = None
         if self.captured is not None and ids.shape[1] == steps + 1:

@@ -20,9 +20,8 @@ from eagle3_pipeline.runtime.speculative import (
     decode_prompt,
     encode_prompts,
     end_of_sequence,
-    method_table,
+    prepared_methods,
     timing_summary,
-    usable_trees,
 )
 from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 
@@ -55,9 +54,7 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     device): every method on the same prompt back to back, after a warm-up run of every method that is not
     counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
     eos = end_of_sequence(tokenizer)
-    trees = usable_trees(target, trees, log)
-    methods = method_table({"eagle3": drafter}, ks, target.compiled, log, trees)
-    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
+    methods = prepared_methods(target, {"eagle3": drafter}, ks, log, trees)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
         log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
