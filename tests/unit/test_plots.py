@@ -89,6 +89,14 @@ def test_eagle3_settings_carry_their_sglang_flags_in_the_csv_and_below_the_headl
     assert below.splitlines()[1:] == [f"  {tree}: {flags}"]
 
 
+def test_the_headline_warns_when_compiled_steps_ran_without_cuda_graphs():
+    evaluations = {"mtbench-package": {"summary": {"target": method(None)}}}
+    timing = {"sets": {"mtbench-package": {"target": speed(10.0, 1.0)}}}
+    assert "WARNING" not in plots.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 0})
+    warned = plots.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 2})
+    assert warned.splitlines()[-1].startswith("WARNING: 2 compiled step(s) of the timing pass ran without CUDA graphs")
+
+
 def png(path) -> np.ndarray:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return matplotlib.image.imread(str(path))[..., :3]

@@ -72,7 +72,8 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
 
 def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
     """The tau/speedup table as aligned text, for the terminal; below it, the SGLang flags of every EAGLE-3
-    setting (chains and trees), ready to paste after `python -m sglang.launch_server`."""
+    setting (chains and trees), ready to paste after `python -m sglang.launch_server`, and a warning when some
+    compiled steps of the timing pass ran without CUDA graphs."""
     table = tau_rows(evaluations, timing)
     columns = len(TAU_COLUMNS) - 1  # the flags go below the table: they hold spaces
     rows = [list(TAU_COLUMNS[:columns])] + [[str(value) for value in row[:columns]] for row in table]
@@ -83,6 +84,9 @@ def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any
     if flags:
         lines += ["", "SGLang settings (--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR ...):"]
         lines += [f"  {method}: {flag}" for method, flag in flags.items()]
+    if skipped := timing.get("compiled_steps_without_cuda_graphs"):
+        lines += ["", f"WARNING: {skipped} compiled step(s) of the timing pass ran without CUDA graphs, launch by "
+                      "launch: its speeds are not a captured decoder's (torch's [__cudagraphs] log lines say why)"]
     return "\n".join(lines)
 
 
