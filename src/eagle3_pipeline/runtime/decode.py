@@ -260,28 +260,28 @@ def rewind(cache: Any, rows: int) -> None:
     """Every layer of `cache` back to `rows` rows (after a step that failed part-way, some layers may have
     advanced and others not)."""
     for layer in cache.layers:
-        extra = int(layer.get_seq_length()) - rows
-        if extra <= 0:
-            continue
-        if hasattr(layer, "crop"):
-            layer.crop(-extra)
-        else:  # transformers 5.17's static layers: see remove_last_rows
-            layer.cumulative_length.sub_(extra)
+        if (extra := int(layer.get_seq_length()) - rows) > 0:
+            drop_rows(layer, extra)
 
 
 def remove_last_rows(cache: Any, count: int) -> None:
-    """Forget the last `count` rows of a KV cache (the next update overwrites them). A negative argument to
-    `crop` means "remove this many" in every transformers version; static layers learnt `crop` only in 5.2x
-    (5.17, on the H200s, raises AttributeError), but all keep their length in the tensor `cumulative_length`,
-    which an in-place subtraction rewinds without moving the address CUDA graphs captured."""
+    """Forget the last `count` rows of a KV cache (the next update overwrites them)."""
     if all(hasattr(layer, "crop") for layer in getattr(cache, "layers", [])):
         cache.crop(-count)
         return
     for layer in cache.layers:
-        if hasattr(layer, "crop"):
-            layer.crop(-count)
-        else:
-            layer.cumulative_length.sub_(count)
+        drop_rows(layer, count)
+
+
+def drop_rows(layer: Any, count: int) -> None:
+    """Forget a cache layer's last `count` rows. A negative argument to `crop` means "remove this many" in every
+    transformers version; static layers learnt `crop` only in 5.2x (5.17, on the H200s, raises AttributeError),
+    but all keep their length in the tensor `cumulative_length`, which an in-place subtraction rewinds without
+    moving the address CUDA graphs captured."""
+    if hasattr(layer, "crop"):
+        layer.crop(-count)
+    else:
+        layer.cumulative_length.sub_(count)
 
 
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,

@@ -92,17 +92,15 @@ class CapturedCalls:
 
     def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
         inputs = {name: value.clone() for name, value in inputs.items()}
-        steps = self._warmed_up(inputs, fixed)
-        try:
-            return self._capture(steps, inputs, fixed)
-        except Exception as exc:  # the fused kernels would not record: record the eager ones (rows land by position)
-            if steps is self.steps:
-                raise
-            if self.log is not None:
-                self.log.warning("recording the drafter's fused kernels failed (%s: %s); its CUDA graphs record the "
-                                 "eager kernels", type(exc).__name__, str(exc)[:300])
-            self.fused = None
-            return self._capture(self._warm_up(self.steps, inputs, fixed), inputs, fixed)
+        if self.fused is not None:
+            try:
+                return self._capture(self._warm_up(self.fused, inputs, fixed), inputs, fixed)
+            except Exception as exc:  # no Triton, an unsupported op, a compiler error, a failed capture
+                if self.log is not None:
+                    self.log.warning("fusing or recording the drafter's fused kernels failed (%s: %s); its CUDA "
+                                     "graphs record the eager kernels", type(exc).__name__, str(exc)[:300])
+                self.fused = None  # rerunning is safe: every row lands at its position again
+        return self._capture(self._warm_up(self.steps, inputs, fixed), inputs, fixed)
 
     @staticmethod
     def _capture(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
@@ -111,22 +109,11 @@ class CapturedCalls:
             outputs = steps(**inputs, **fixed)
         return _Graph(graph, inputs, outputs)
 
-    def _warmed_up(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> Callable[..., Any]:
-        """The function to record, after two runs on a side stream (compilation, library handles, workspaces; it
-        writes the same rows each time): the fused one where it compiles, else the eager one."""
-        if self.fused is not None:
-            try:
-                return self._warm_up(self.fused, inputs, fixed)
-            except Exception as exc:  # no Triton, an unsupported op, a compiler error: record the eager kernels
-                if self.log is not None:
-                    self.log.warning("fusing the drafter's steps failed (%s: %s); its CUDA graphs record the eager "
-                                     "kernels", type(exc).__name__, str(exc)[:300])
-                self.fused = None
-        return self._warm_up(self.steps, inputs, fixed)
-
     @staticmethod
     def _warm_up(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]
                  ) -> Callable[..., Any]:
+        """`steps` after two runs on a side stream (compilation, library handles, workspaces; it writes the same
+        rows each time), ready to record."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
