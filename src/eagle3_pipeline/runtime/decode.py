@@ -223,6 +223,13 @@ class TargetRuntime:
         self.crop(cache, len(rows))
 
     @torch.inference_mode()
+    def forget(self, cache: Any, count: int) -> None:
+        """Drop the last `count` rows (rejected drafts), counted by the caller: no read of the cache's length,
+        which on a GPU waits for the device."""
+        if count > 0:
+            remove_last_rows(cache, count)
+
+    @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
         extra = int(cache.get_seq_length()) - keep
@@ -265,12 +272,26 @@ def rewind(cache: Any, rows: int) -> None:
 
 
 def remove_last_rows(cache: Any, count: int) -> None:
-    """Forget the last `count` rows of a KV cache (the next update overwrites them)."""
-    if all(hasattr(layer, "crop") for layer in getattr(cache, "layers", [])):
+    """Forget the last `count` rows of a KV cache (the next update overwrites them). Static layers keep their
+    lengths in tensors: one multi-tensor kernel rewinds them all, where a crop per layer launches a kernel per
+    layer (30 for SmolLM2) after every verify step, while the GPU waits for them."""
+    layers = getattr(cache, "layers", [])
+    if layers and all(is_static_layer(layer) for layer in layers):
+        torch._foreach_sub_([layer.cumulative_length for layer in layers], count)
+        return
+    if all(hasattr(layer, "crop") for layer in layers):
         cache.crop(-count)
         return
     for layer in cache.layers:
         drop_rows(layer, count)
+
+
+def is_static_layer(layer: Any) -> bool:
+    """A full-attention static layer: its length is the tensor `cumulative_length` (transformers 5.17 and 5.2x)."""
+    from transformers.cache_utils import StaticLayer
+
+    return (type(layer) is StaticLayer and bool(getattr(layer, "is_initialized", False))
+            and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
 
 
 def drop_rows(layer: Any, count: int) -> None:

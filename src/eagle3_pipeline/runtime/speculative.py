@@ -76,7 +76,6 @@ def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], 
     start = time.perf_counter()
     cache, features, context = prefill(target, prompt_ids, max_new, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
-        n = len(context) - 1  # rows the target has seen
         tick = time.perf_counter()
         drafts = propose(context, features, k)[:k]
         synchronize(target.device)
@@ -93,7 +92,7 @@ def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], 
         trace.accepted.append(accepted)
         trace.drafted.append(len(drafts))
         new = drafts[:accepted] + [predictions[accepted]]
-        target.crop(cache, n + accepted + 1)
+        target.forget(cache, len(drafts) - accepted)  # the verify wrote 1 + len(drafts) rows
         features = torch.cat([features, new_features[: accepted + 1]])
         append_until_eos(trace, context, new, eos)
     trace.tokens = trace.tokens[:max_new]
