@@ -7,7 +7,7 @@ graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain'
 `long-cache`: the compiled runtime with every sequence in one cache of --long-cache slots (what the timing pass did
 before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
 sized for the longest prompt costs the others. `--profile`: the kernels of 32 compiled target-only tokens (GPU time
-vs wall time says whether a step waits on the host or on the device).
+vs wall time says whether a step waits on the host or on the device), and of the fused drafter chains.
 
 The drafter is untrained (random weights, the target's shape and embedding): its acceptance is ~0, so the
 timing pass's speedup for it means nothing, but its per-step drafting time is what a trained drafter costs.
@@ -61,8 +61,9 @@ def time_chains(proposer: DrafterProposer, ids: list[int], features: torch.Tenso
     """ms per chain of k drafts over a sequence growing by 2 real rows per step (as after a verify accepting
     one draft), and the drafts (the same drafter must draft the same tokens whichever way it runs)."""
     proposer.reset()
-    proposer.chain(ids[:start + 1], features[:start], k)  # prefill (and, captured, the recording)
-    drafts, steps = [], range(start + 2, len(ids) - 1, 2)
+    proposer.chain(ids[:start + 1], features[:start], k)  # prefill: as many real rows as the prompt
+    proposer.chain(ids[:start + 3], features[:start + 2], k)  # the first chain of the timed width: compiled, recorded
+    drafts, steps = [], range(start + 4, len(ids) - 1, 2)
     synchronize(features.device)
     tick = time.perf_counter()
     for n in steps:
@@ -71,9 +72,11 @@ def time_chains(proposer: DrafterProposer, ids: list[int], features: torch.Tenso
     return 1000 * (time.perf_counter() - tick) / max(len(steps), 1), [d.tolist() for d in drafts]
 
 
-def compare_chains(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, k: int, log) -> None:
+def compare_chains(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, k: int, log,
+                   profile: bool = False) -> None:
     """The drafter's chain eagerly (static cache, one launch per kernel) vs replayed from one CUDA graph of the
-    same kernels vs one of inductor's fused kernels (what the timing pass runs)."""
+    same kernels vs one of inductor's fused kernels (what the timing pass runs); `profile`: the kernels of the
+    fused arm's chains."""
     ids = tokenizer.apply_chat_template(prompt.messages, tokenize=True, add_generation_prompt=True,
                                         return_dict=False)
     ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[:200]
@@ -88,23 +91,36 @@ def compare_chains(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: D
         f"{name} {ms:.2f} ms ({eager_ms / ms:.1f}x eager, same drafts in "
         f"{sum(a == b for a, b in zip(eager, drafts, strict=True))} of {len(eager)} chains)"
         for name, (ms, drafts) in timed.items()), flush=True)
+    if profile:
+        fused = arms["CUDA graph of fused kernels"]
+        chains = len(eager) + 3  # time_chains' prefill and recording calls included
+        profiled(lambda: time_chains(fused, ids, features, k, start), chains, "fused drafter chain")
+
+
+def profiled(run, count: int, what: str) -> None:
+    """Wall time of `run` (`count` steps) against the device time of its kernels, and the costliest kernels:
+    whether a step waits on the host or on the device, and on which kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        tick = time.perf_counter()
+        run()
+        synchronize(torch.device("cuda"))
+        wall = time.perf_counter() - tick
+    events = trace.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    print(f"  profile, {what}: {1000 * wall / count:.2f} ms wall per step (profiler on), "
+          f"{kernel_us / 1000 / count:.2f} ms of device time per step", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
 
 
 def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
     """Kernel time of 32 target-only tokens against their wall time, and the costliest kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
     from eagle3_pipeline.runtime.speculative import encode_prompts, greedy
 
     (pid, ids), = encode_prompts(tokenizer, [prompt])
     greedy(decoder, ids, 32, set(), pid)  # warm
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
-        trace = greedy(decoder, ids, 32, set(), pid)
-    events = run.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events)
-    print(f"  profile: {1000 * trace.total_seconds / 32:.2f} ms wall per token (prefill included), "
-          f"{kernel_us / 1000 / 32:.2f} ms of device time per token", flush=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    profiled(lambda: greedy(decoder, ids, 32, set(), pid), 32, "target-only token (prefill included)")
 
 
 def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, log) -> None:
@@ -120,8 +136,9 @@ def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Dr
     start, timings, trees = len(ids) // 2, {}, {}
     for name, compiled in (("eager", False), ("CUDA graph of fused kernels", True)):
         tree_drafter = TreeDrafter(drafter, setting, compiled=compiled, log=log)
-        tree_drafter.draft(ids[:start + 1], features[:start])  # prefill (and, captured, the recording)
-        steps = range(start + 2, len(ids) - 1, 2)
+        tree_drafter.draft(ids[:start + 1], features[:start])  # prefill: as many real rows as the prompt
+        tree_drafter.draft(ids[:start + 3], features[:start + 2])  # the first tree of the timed width: recorded
+        steps = range(start + 4, len(ids) - 1, 2)
         synchronize(features.device)
         tick = time.perf_counter()
         trees[name] = [tree_drafter.draft(ids[:n + 1], features[:n]) for n in steps]
@@ -159,7 +176,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
-    parser.add_argument("--profile", action="store_true", help="profile the compiled target-only decode")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("bench_decode")
@@ -203,7 +221,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
         print(f"  projected speedup of a drafter with tau {args.tau}: "
               f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
     if mode == "compiled":
-        compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log)
+        compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log, args.profile)
         compare_trees(decoder, tokenizer, prompts[0], drafter, log)
         if args.profile:
             profile_greedy(decoder, tokenizer, prompts[0])
