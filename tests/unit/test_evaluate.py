@@ -147,9 +147,8 @@ def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained):
     def arguments() -> dict:
         proposer = drafting.DrafterProposer(drafter, static=True)
         proposer.reset(64)
-        rows, hidden, positions, new = proposer.real_rows(ids[:n + 1], features[:n], k)
-        return {"drafter": drafter, "ids": rows, "hidden": hidden, "positions": positions,
-                "last": torch.tensor([new - 1]), "cache": proposer.cache, "k": k}
+        integers, hidden, _ = proposer.real_rows(ids[:n + 1], features[:n], k)
+        return {"drafter": drafter, "integers": integers, "hidden": hidden, "cache": proposer.cache, "k": k}
 
     eager_drafts, eager_logits = chain_drafts(**arguments())
     fused_drafts, fused_logits = fused(chain_drafts)(**arguments())

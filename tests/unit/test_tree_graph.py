@@ -119,10 +119,10 @@ def test_tree_decoding_with_the_compiled_target_and_the_captured_drafter_is_loss
 
 @torch.inference_mode()
 def test_fused_tree_drafting_drafts_the_eager_trees(model):
-    """On a GPU the captured tree drafting records `fused(tree_steps)` (inductor's kernels); here the same compiled
+    """On a GPU the captured tree drafting records `fused(tree_drafts)` (inductor's kernels); here the same compiled
     function runs on the CPU against the eager one, from a fresh static cache each time, as one graph."""
     from eagle3_pipeline.runtime.draft_graph import fused
-    from eagle3_pipeline.runtime.tree_graph import tree_steps
+    from eagle3_pipeline.runtime.tree_graph import tree_drafts
 
     setting, ids, drafter = TreeSetting(3, 2, 5), prompt(), random_drafter(model)
     target = TargetRuntime(model, AUX_LAYERS)
@@ -131,14 +131,14 @@ def test_fused_tree_drafting_drafts_the_eager_trees(model):
     def arguments() -> dict:
         tree = TreeDrafter(drafter, setting)
         tree.reset(64)
-        rows, hidden, positions, new = tree.proposer.real_rows(ids, features[:-1], setting.num_steps)
-        return {"drafter": drafter, "ids": rows, "hidden": hidden, "positions": positions,
-                "last": torch.tensor([new - 1], device=DEVICE), "cache": tree.proposer.cache, "rows": tree.rows,
-                "steps": setting.num_steps, "topk": setting.topk, "kept": setting.num_draft_tokens - 1}
+        integers, hidden, _ = tree.proposer.real_rows(ids, features[:-1], setting.num_steps)
+        return {"drafter": drafter, "integers": integers, "hidden": hidden, "cache": tree.proposer.cache,
+                "rows": tree.rows, "steps": setting.num_steps, "topk": setting.topk,
+                "kept": setting.num_draft_tokens - 1}
 
-    (eager,) = tree_steps(**arguments())
-    (fused_tree,) = fused(tree_steps)(**arguments())
+    (eager,) = tree_drafts(**arguments())
+    (fused_tree,) = fused(tree_drafts)(**arguments())
     assert torch.equal(fused_tree[:3], eager[:3])  # tokens, parents, depths
     torch.testing.assert_close(fused_tree[3], eager[3], rtol=1e-4, atol=1e-4)  # cumulative log-probabilities
-    explained = torch._dynamo.explain(tree_steps)(**arguments())
+    explained = torch._dynamo.explain(tree_drafts)(**arguments())
     assert explained.graph_count == 1 and explained.graph_break_count == 0

@@ -123,22 +123,29 @@ class CapturedCalls:
         return steps
 
 
-def chain_drafts(**arguments: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`chain_steps` without the cache it returns: what a recorded chain outputs."""
-    return chain_steps(**arguments)[:2]
+def split_rows(integers: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafting step's integer inputs, packed by `DrafterProposer.real_rows` into one tensor [2W+1]: ids [1,W],
+    positions [1,W] and the index of the last real row [1]."""
+    return integers[:width][None], integers[width:2 * width][None], integers[2 * width:]
+
+
+def chain_drafts(drafter: Drafter, integers: torch.Tensor, hidden: torch.Tensor, cache: Any, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chain_steps` from packed integer inputs, without the cache it returns: what a recorded chain runs."""
+    ids, positions, last = split_rows(integers, hidden.shape[1])
+    return chain_steps(drafter, ids, hidden, positions, last, cache, k)[:2]
 
 
 class CapturedChain:
-    """`chain_steps` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
+    """`chain_drafts` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
     (one per k and cache); `fuse`: of its inductor-compiled kernels."""
 
     def __init__(self, drafter: Drafter, fuse: bool = True, log: Any = None):
         self.drafter = drafter
         self.calls = CapturedCalls(chain_drafts, fuse, log)
 
-    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 cache: StaticKV, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        drafts, logits = self.calls((*cache_key(cache), k),
-                                    {"ids": ids, "hidden": hidden, "positions": positions, "last": last},
+    def __call__(self, integers: torch.Tensor, hidden: torch.Tensor, cache: StaticKV, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts, logits = self.calls((*cache_key(cache), k), {"integers": integers, "hidden": hidden},
                                     drafter=self.drafter, cache=cache, k=k)
         return drafts, logits

@@ -13,7 +13,7 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import serving_dir as serving_format
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.decode import TargetRuntime, static_size
-from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps
+from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps, split_rows
 
 
 class DrafterProposer:
@@ -61,36 +61,49 @@ class DrafterProposer:
         Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
         feature f_p) at position p; the first draft from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
-        ids, hidden, positions, new = self.real_rows(context, features, k)
-        width, last = ids.shape[1], torch.tensor([new - 1], device=self.device)
+        integers, hidden, _ = self.real_rows(context, features, k)
+        width = hidden.shape[1]
         if self.captured is not None and width == k + 1:
             try:
-                return self.captured(ids, hidden, positions, last, self.cache, k)
+                return self.captured(integers, hidden, self.cache, k)
             except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
                 if self.log is not None:
                     self.log.warning("drafter chain CUDA graph failed (%s: %s); drafting eagerly",
                                      type(exc).__name__, str(exc)[:300])
                 self.captured = None
+        ids, positions, last = split_rows(integers, width)
         drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden, positions, last, self.cache, k)
         return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
 
-    def real_rows(self, context: list[int], features: torch.Tensor, k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The rows the drafter has not seen (ids [1,W], features [1,W,3H], positions [1,W]) and how many are
-        real: with a static cache padded to k + 1 (the cache reserved for them and the chain)."""
+    def real_rows(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The rows the drafter has not seen: their ids, positions and the index of the last one packed in one
+        integer tensor (`draft_graph.split_rows`: one host-to-device copy that does not wait for the device), their
+        features [1,W,3H], and how many are real. With a static cache they come padded to k + 1, the chain's one
+        shape; more than that (a prompt's) are first written without drafting, eagerly, so that the chain after
+        a prompt is the recorded one too."""
         n = features.shape[0]
+        if self.static:
+            self._reserve(n + k)  # the real rows and the chain's
+            if n - self.done > k + 1:
+                self._write(context, features, n - (k + 1))
         new = n - self.done
-        width = k + 1 if self.static and new <= k + 1 else new
+        width = k + 1 if self.static else new
         tokens = context[self.done + 1: n + 1]
-        ids = torch.tensor([tokens + [tokens[-1]] * (width - new)], device=self.device)
-        positions = torch.arange(self.done, self.done + width, device=self.device)[None]
+        packed = tokens + [tokens[-1]] * (width - new) + list(range(self.done, self.done + width)) + [new - 1]
+        integers = torch.tensor(packed).to(self.device, non_blocking=True)
         hidden = features[self.done:n].to(self.device, self.drafter.fc.weight.dtype)
         if width > new:
             hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
-        if self.static:
-            self._reserve(max(self.done + width, n + k))
         self.done = n
-        return ids, hidden[None], positions, new
+        return integers, hidden[None], new
+
+    def _write(self, context: list[int], features: torch.Tensor, upto: int) -> None:
+        """Real rows up to `upto` into the cache without drafting (one eager forward)."""
+        ids = torch.tensor([context[self.done + 1: upto + 1]], device=self.device)
+        positions = torch.arange(self.done, upto, device=self.device)[None]
+        hidden = features[self.done:upto].to(self.device, self.drafter.fc.weight.dtype)[None]
+        _, _, self.cache = self.drafter.decode(ids, hidden, positions, self.cache)
+        self.done = upto
 
     def _reserve(self, rows: int) -> None:
         """A static cache of at least `rows` slots: the sequence's own, or the next size with its rows copied."""

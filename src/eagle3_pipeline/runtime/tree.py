@@ -32,7 +32,7 @@ from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
-from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_steps
+from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_drafts
 from eagle3_pipeline.workflow_config import tree_setting_problem
 
 METHOD_PATTERN = re.compile(r"^[\w-]+-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
@@ -136,20 +136,19 @@ class TreeDrafter:
     def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
         steps = self.setting.num_steps
-        ids, hidden, positions, new = self.proposer.real_rows(context, features, steps)
-        last, cache = torch.tensor([new - 1], device=self.proposer.device), self.proposer.cache
-        packed = None
-        if self.captured is not None and ids.shape[1] == steps + 1:
+        integers, hidden, _ = self.proposer.real_rows(context, features, steps)
+        cache, packed = self.proposer.cache, None
+        if self.captured is not None and hidden.shape[1] == steps + 1:
             try:
-                packed = self.captured(ids, hidden, positions, last, cache)
+                packed = self.captured(integers, hidden, cache)
             except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
                 if self.log is not None:
                     self.log.warning("draft tree CUDA graph failed (%s: %s); drafting trees eagerly",
                                      type(exc).__name__, str(exc)[:300])
                 self.captured = None
         if packed is None:
-            (packed,) = tree_steps(self.drafter, ids, hidden, positions, last, cache, self.rows, steps,
-                                   self.setting.topk, self.setting.num_draft_tokens - 1)
+            (packed,) = tree_drafts(integers, hidden, drafter=self.drafter, cache=cache, rows=self.rows, steps=steps,
+                                    topk=self.setting.topk, kept=self.setting.num_draft_tokens - 1)
         tokens, parents, depths, scores = packed.tolist()  # the one device-to-host copy of the step
         return DraftTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from eagle3_pipeline.drafter.attention import StaticKV, repeat_kv
 from eagle3_pipeline.drafter.model import Drafter
-from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, to_target
+from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, split_rows, to_target
 
 
 @dataclass(frozen=True)
@@ -111,16 +111,20 @@ def keep_best(drafter: Drafter, candidates: list[tuple[torch.Tensor, torch.Tenso
     return torch.stack([column.double() for column in columns])  # float64 holds every token id exactly
 
 
+def tree_drafts(integers: torch.Tensor, hidden: torch.Tensor, **fixed: Any) -> tuple[torch.Tensor]:
+    """`tree_steps` from packed integer inputs (`draft_graph.split_rows`): what a recorded tree runs."""
+    ids, positions, last = split_rows(integers, hidden.shape[1])
+    return tree_steps(ids=ids, hidden=hidden, positions=positions, last=last, **fixed)
+
+
 class CapturedTree:
-    """`tree_steps` for a StaticKV cache with steps + 1 real rows, replayed from CUDA graphs recorded on first use
+    """`tree_drafts` for a StaticKV cache with steps + 1 real rows, replayed from CUDA graphs recorded on first use
     (one per cache; a setting's tree rows are its drafter's own)."""
 
     def __init__(self, drafter: Drafter, rows: TreeRows, steps: int, topk: int, kept: int, log: Any = None):
         self.fixed = {"drafter": drafter, "rows": rows, "steps": steps, "topk": topk, "kept": kept}
-        self.calls = CapturedCalls(tree_steps, fuse=True, log=log)
+        self.calls = CapturedCalls(tree_drafts, fuse=True, log=log)
 
-    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 cache: StaticKV) -> torch.Tensor:
-        inputs = {"ids": ids, "hidden": hidden, "positions": positions, "last": last}
-        (packed,) = self.calls(cache_key(cache), inputs, cache=cache, **self.fixed)
+    def __call__(self, integers: torch.Tensor, hidden: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        (packed,) = self.calls(cache_key(cache), {"integers": integers, "hidden": hidden}, cache=cache, **self.fixed)
         return packed
