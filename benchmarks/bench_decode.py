@@ -4,10 +4,12 @@ graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain'
     python benchmarks/bench_decode.py --target smollm2-gguf [--prompts 10] [--max-new 128] [--tau 1.715]
         [--modes eager compiled long-cache] [--long-cache 4096] [--profile]
 
-`long-cache`: the compiled runtime with every sequence in one cache of --long-cache slots (what the timing pass did
-before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
-sized for the longest prompt costs the others. `--profile`: the kernels of 32 compiled target-only tokens (GPU time
-vs wall time says whether a step waits on the host or on the device), and of the fused drafter chains.
+`compiled` times the host loops (a host read after every step), then the device-resident loops (pipelined.py, the
+timing pass's) on the same runtime. `long-cache`: the compiled runtime with every sequence in one cache of
+--long-cache slots (what the timing pass did before caches were sized per sequence): attention reads every slot,
+so the ratio to `compiled` is what a cache sized for the longest prompt costs the others. `--profile`: the kernels
+of 32 compiled target-only tokens (GPU time vs wall time says whether a step waits on the host or on the device),
+and of the fused drafter chains.
 
 The drafter is untrained (random weights, the target's shape and embedding): its acceptance is ~0, so the
 timing pass's speedup for it means nothing, but its per-step drafting time is what a trained drafter costs.
@@ -117,12 +119,15 @@ def profiled(run, count: int, what: str) -> None:
 
 
 def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
-    """Kernel time of 32 target-only tokens against their wall time, and the costliest kernels."""
+    """Kernel time of 32 target-only tokens (the runtime's loops) against their wall time, and the costliest
+    kernels."""
+    from eagle3_pipeline.runtime.pipelined import greedy_on_device
     from eagle3_pipeline.runtime.speculative import encode_prompts, greedy
 
     (pid, ids), = encode_prompts(tokenizer, [prompt])
-    greedy(decoder, ids, 32, set(), pid)  # warm
-    profiled(lambda: greedy(decoder, ids, 32, set(), pid), 32, "target-only token (prefill included)")
+    decode = greedy_on_device if decoder.device_loops else greedy
+    decode(decoder, ids, 32, set(), pid)  # warm
+    profiled(lambda: decode(decoder, ids, 32, set(), pid), 32, "target-only token (prefill included)")
 
 
 def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, log) -> None:
@@ -207,27 +212,34 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache
-    result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
-                                         args.max_new, False, log)["mtbench"]
-    only, chain = result["target"], result[f"eagle3@k={args.k}"]
     label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",
              "long-cache": f"compiled, one static cache of {args.long_cache} slots"}[mode]
-    if mode != "eager" and not decoder.compiled:
-        label += " (compilation failed: eager)"
-    print(f"{str(dtype).removeprefix('torch.')} [{label}]: target-only {only['tokens_per_s']:.1f} tokens/s "
-          f"({1000 / only['tokens_per_s']:.2f} ms per token); per step: drafter chain of {args.k} "
-          f"{chain['draft_ms_per_step']:.2f} ms, verify of {args.k + 1} {chain['verify_ms_per_step']:.2f} ms",
-          flush=True)
-    if args.tau:
-        per_step = chain["draft_ms_per_step"] + chain["verify_ms_per_step"]
-        print(f"  projected speedup of a drafter with tau {args.tau}: "
-              f"{args.tau * (1000 / only['tokens_per_s']) / per_step:.2f}x", flush=True)
+    rates = {}
+    # compiled: the host loops, then the loops with their state on the device (the timing pass's), same runtime
+    for device_loops in ((False, True) if mode == "compiled" else (decoder.device_loops,)):
+        decoder.device_loops = device_loops
+        result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
+                                             args.max_new, False, log)["mtbench"]
+        only, chain = result["target"], result[f"eagle3@k={args.k}"]
+        loops = (" + device-resident loops" if device_loops else " + host loops") if mode == "compiled" else ""
+        failed = " (compilation failed: eager)" if mode != "eager" and not decoder.compiled else ""
+        step_ms = 1000 * chain["tokens"] / chain["tokens_per_s"] / chain["verify_steps"]
+        draft, verify = chain["draft_ms_per_step"], chain["verify_ms_per_step"]
+        split = (f"of which the device spent {draft:.2f} ms drafting and {verify:.2f} ms verifying" if device_loops
+                 else f"{draft:.2f} ms drafting + {verify:.2f} ms verifying")
+        print(f"{str(dtype).removeprefix('torch.')} [{label}{loops}{failed}]: target-only {only['tokens_per_s']:.1f} "
+              f"tokens/s ({1000 / only['tokens_per_s']:.2f} ms per token); chain of {args.k}: {step_ms:.2f} ms per "
+              f"verify step, {split}", flush=True)
+        if args.tau:  # a drafter with that tau: tau tokens per verify step of this one's cost
+            print(f"  projected speedup of a drafter with tau {args.tau}: "
+                  f"{args.tau * (1000 / only['tokens_per_s']) / step_ms:.2f}x", flush=True)
+        rates[device_loops] = only["tokens_per_s"]
     if mode == "compiled":
         compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log, args.profile)
         compare_trees(decoder, tokenizer, prompts[0], drafter, log)
         if args.profile:
             profile_greedy(decoder, tokenizer, prompts[0])
-    rate = only["tokens_per_s"]
+    rate = rates[decoder.device_loops]
     del model, drafter, decoder
     if device == "cuda":
         torch.cuda.empty_cache()

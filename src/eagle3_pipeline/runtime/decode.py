@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.runtime.kv_cache import SMALLEST_CACHE, has_sliding_layers, remove_last_rows, rewind, static_size
+
 
 def compile_decision(requested: str | bool, device: str, timing_pass: bool) -> tuple[bool, str]:
     """(compile?, why): `auto` compiles the timing pass on CUDA only. On a CPU the compiled step is not faster
@@ -64,6 +66,10 @@ class TargetRuntime:
         self.headroom = self.prefill_width  # rows the widest step writes beyond a sequence's tokens
         self.step = None
         self.tree_step_failed = False  # compiling the tree verify failed: trees verify eagerly, chains stay compiled
+        self.proven_shapes: set[tuple[str, int, int]] = set()  # (what, width, cache slots) the compiled step ran
+        # greedy and chain decoding with the loop's state on the device (pipelined.py): the compiled runtime's
+        # loops; a benchmark turns it off to time the host loops on the same runtime
+        self.device_loops = compiled
         if compiled:
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -136,27 +142,45 @@ class TargetRuntime:
             remove_last_rows(cache, width - n)  # forget the padding rows
         return logits, aux
 
-    def _through_step(self, padded: list[int], cache: Any, what: str, **inputs: torch.Tensor
+    def _through_step(self, padded: list[int] | torch.Tensor, cache: Any, what: str, **inputs: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`padded` through the compiled step: (logits, aux, failed). Where it raises (no Triton, an unsupported op,
         a compiler error, a failed capture) the cache goes back to its length before the call - a failure past the
-        first layers has advanced some of them - and the tokens run eagerly."""
-        before = int(cache.get_seq_length())
+        first layers has advanced some of them - and the tokens run eagerly. Compilation and capture happen on a
+        shape's first call: once a shape has run, its length is not read before the call (a read waits for the
+        device, which the device-resident loops never do)."""
+        shape = (what, len(padded[0]) if isinstance(padded, torch.Tensor) else len(padded), cache.get_max_length())
+        before = None if shape in self.proven_shapes else int(cache.get_seq_length())
         # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
         # (without this, alternating with other graphs records new tree paths instead of replaying)
         torch.compiler.cudagraph_mark_step_begin()
         try:
-            return *self._run(self.step, padded, cache, **inputs), False
+            outputs = self._run(self.step, padded, cache, **inputs)
         except Exception as exc:
+            if before is None:
+                raise  # a shape that ran before: not a compilation or capture failure
             if self.log is not None:
                 self.log.warning("compiled %s failed (%s: %s); running it eagerly", what, type(exc).__name__,
                                  str(exc)[:300])
             rewind(cache, before)
             return *self._run(self.model.forward, padded, cache, **inputs), True
+        self.proven_shapes.add(shape)
+        return *outputs, False
 
-    def _run(self, forward: Any, tokens: list[int], cache: Any, **inputs: torch.Tensor
+    @torch.inference_mode()
+    def forward_device(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids already on the device ([1, W], W a compiled width) through the step, reading nothing back: the
+        device-resident loops' step. The outputs may be a captured graph's: consume them before the next call."""
+        if self.step is not None and all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+            logits, aux, failed = self._through_step(ids, cache, "target step")
+            if failed:
+                self.step = None
+            return logits, aux
+        return self._run(self.model.forward, ids, cache)
+
+    def _run(self, forward: Any, tokens: list[int] | torch.Tensor, cache: Any, **inputs: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor([tokens], device=self.device)
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
         output = forward(input_ids=ids, use_cache=True, **inputs, **{self.cache_argument: cache})
         aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
         return output.logits[0], aux
@@ -243,66 +267,6 @@ def steps_without_cuda_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"].get("cudagraph_skips", 0))
-
-
-# slots: chat prompts with 128 new tokens fit one size (each size compiles every width again, ~20 s each)
-SMALLEST_CACHE = 512
-
-
-def static_size(rows: int, smallest: int = SMALLEST_CACHE) -> int:
-    """A static cache's slots for `rows` rows: the next power of two, at least `smallest`."""
-    return max(smallest, 1 << (rows - 1).bit_length())
-
-
-def has_sliding_layers(model: torch.nn.Module) -> bool:
-    """Whether transformers' StaticCache would give this model sliding-window layers (they roll their buffer,
-    so rows pushed out by rejected drafts or padding are lost)."""
-    from transformers import StaticCache
-
-    probe = StaticCache(config=model.config, max_cache_len=8)
-    return any(getattr(layer, "is_sliding", False) for layer in getattr(probe, "layers", []))
-
-
-def rewind(cache: Any, rows: int) -> None:
-    """Every layer of `cache` back to `rows` rows (after a step that failed part-way, some layers may have
-    advanced and others not)."""
-    for layer in cache.layers:
-        if (extra := int(layer.get_seq_length()) - rows) > 0:
-            drop_rows(layer, extra)
-
-
-def remove_last_rows(cache: Any, count: int) -> None:
-    """Forget the last `count` rows of a KV cache (the next update overwrites them). Static layers keep their
-    lengths in tensors: one multi-tensor kernel rewinds them all, where a crop per layer launches a kernel per
-    layer (30 for SmolLM2) after every verify step, while the GPU waits for them."""
-    layers = getattr(cache, "layers", [])
-    if layers and all(is_static_layer(layer) for layer in layers):
-        torch._foreach_sub_([layer.cumulative_length for layer in layers], count)
-        return
-    if all(hasattr(layer, "crop") for layer in layers):
-        cache.crop(-count)
-        return
-    for layer in cache.layers:
-        drop_rows(layer, count)
-
-
-def is_static_layer(layer: Any) -> bool:
-    """A full-attention static layer: its length is the tensor `cumulative_length` (transformers 5.17 and 5.2x)."""
-    from transformers.cache_utils import StaticLayer
-
-    return (type(layer) is StaticLayer and bool(getattr(layer, "is_initialized", False))
-            and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
-
-
-def drop_rows(layer: Any, count: int) -> None:
-    """Forget a cache layer's last `count` rows. A negative argument to `crop` means "remove this many" in every
-    transformers version; static layers learnt `crop` only in 5.2x (5.17, on the H200s, raises AttributeError),
-    but all keep their length in the tensor `cumulative_length`, which an in-place subtraction rewinds without
-    moving the address CUDA graphs captured."""
-    if hasattr(layer, "crop"):
-        layer.crop(-count)
-    else:
-        layer.cumulative_length.sub_(count)
 
 
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,

@@ -12,8 +12,9 @@ from eagle3_pipeline.drafter.attention import DecodeKV, StaticKV
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import serving_dir as serving_format
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
-from eagle3_pipeline.runtime.decode import TargetRuntime, static_size
+from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps, split_rows
+from eagle3_pipeline.runtime.kv_cache import static_size
 
 
 class DrafterProposer:

@@ -27,6 +27,7 @@ from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.pipelined import chain_on_device, greedy_on_device
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting, sglang_flags, tree_problem, tree_speculative
 
@@ -228,8 +229,11 @@ def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any
 
 def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: str, ids: list[int],
                   max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
-    """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`."""
-    reference = greedy(target, ids, max_new, eos, prompt_id)
+    """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`. Where the
+    runtime keeps its loops on the device (compiled), greedy and the EAGLE-3 chain decode there (pipelined.py);
+    prompt lookup and trees, whose drafting reads the host's context or tree, decode in host loops."""
+    on_device = target.static and target.device_loops
+    reference = (greedy_on_device if on_device else greedy)(target, ids, max_new, eos, prompt_id)
     finished = {"target": reference}
     for method, (propose, k) in methods.items():
         if isinstance(propose, DrafterProposer | TreeDrafter):
@@ -237,6 +241,8 @@ def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: 
             propose.reset(target.cache_size(len(ids) + max_new) if target.static else 0)
         if isinstance(propose, TreeDrafter):
             trace = tree_speculative(target, propose, ids, max_new, eos, prompt_id, method)
+        elif on_device and isinstance(propose, DrafterProposer):
+            trace = chain_on_device(target, propose, ids, k, max_new, eos, prompt_id, method)
         else:
             trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
         finished[method] = trace

@@ -29,8 +29,9 @@ import torch
 
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.logs import ClearError
-from eagle3_pipeline.runtime.decode import TargetRuntime, has_sliding_layers
+from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.kv_cache import has_sliding_layers
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_drafts
 from eagle3_pipeline.workflow_config import tree_setting_problem
