@@ -36,6 +36,7 @@ class DrafterProposer:
         self.static_caches: dict[int, StaticKV] = {}  # by size (slots)
         self.captured = (CapturedChain(drafter, fuse, log) if compiled and self.device.type == "cuda"
                          else None)
+        self.device_steps: Any = None  # pipelined.VerifiedSteps: the device-resident chain's recorded step
         if compiled and self.captured is None and log is not None:
             log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
         self.log = log

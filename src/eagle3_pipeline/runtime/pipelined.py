@@ -51,11 +51,29 @@ def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, 
 
 class VerifiedSteps:
     """`verified_step` with a drafter's static cache: on CUDA replayed from a CUDA graph of inductor's kernels,
-    recorded on first use per (drafter cache, k, loop state, target cache); eagerly elsewhere."""
+    recorded on first use per (drafter cache, k, target cache); eagerly elsewhere. Kept with its proposer
+    (`DrafterProposer.device_steps`), and with one loop state per k, so that every prompt replays the same graphs."""
 
     def __init__(self, proposer: DrafterProposer, log: Any = None):
-        self.proposer = proposer
+        self.proposer, self.log = proposer, log
         self.calls = CapturedCalls(verified_step, fuse=True, log=log) if proposer.captured is not None else None
+        self.states: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, proposer: DrafterProposer, log: Any = None) -> VerifiedSteps:
+        if proposer.device_steps is None:
+            proposer.device_steps = cls(proposer, log)
+        return proposer.device_steps
+
+    def start(self, n: int, token: int, drafts: torch.Tensor) -> torch.Tensor:
+        """The loop state [n, x_n, d1..dk] of a sequence whose target has seen n rows (x_n not yet)."""
+        k = len(drafts)
+        if k not in self.states:
+            self.states[k] = torch.empty(k + 2, dtype=torch.int64, device=drafts.device)
+        state = self.states[k]
+        state[:2].copy_(torch.tensor([n, token]), non_blocking=True)
+        state[2:].copy_(drafts)
+        return state
 
     def __call__(self, logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, lengths: list[torch.Tensor],
                  k: int) -> torch.Tensor:
@@ -63,13 +81,26 @@ class VerifiedSteps:
                  "k": k}
         if self.calls is None:
             return verified_step(logits, aux, **fixed)[0]
-        key = (*cache_key(self.proposer.cache), k, state.data_ptr(), lengths[0].data_ptr())
-        if key not in self.calls.graphs:  # recording runs the step three times: undo its effects on the state
-            saved = [tensor.clone() for tensor in (state, *lengths)]
-            self.calls(key, {"logits": logits, "aux": aux}, **fixed)
-            for tensor, value in zip((state, *lengths), saved, strict=True):
-                tensor.copy_(value)
+        key = (*cache_key(self.proposer.cache), k, lengths[0].data_ptr())
+        if key not in self.calls.graphs and not self._record(key, logits, aux, fixed):
+            return verified_step(logits, aux, **fixed)[0]
         return self.calls(key, {"logits": logits, "aux": aux}, **fixed)[0]
+
+    def _record(self, key: tuple[int, ...], logits: torch.Tensor, aux: torch.Tensor, fixed: dict[str, Any]) -> bool:
+        """Record the graph for `key` (it runs the step three times, whose effects on the loop state and the target
+        cache's lengths are undone); False, logged, where recording fails: the steps run eagerly from then on."""
+        mutated = (fixed["state"], *fixed["lengths"])
+        saved = [tensor.clone() for tensor in mutated]
+        try:
+            self.calls(key, {"logits": logits, "aux": aux}, **fixed)
+        except Exception as exc:  # capture unsupported here (the drafter cache's rows land at their positions again)
+            if self.log is not None:
+                self.log.warning("device-resident chain step: CUDA graph failed (%s: %s); running it eagerly",
+                                 type(exc).__name__, str(exc)[:300])
+            self.calls = None
+        for tensor, value in zip(mutated, saved, strict=True):
+            tensor.copy_(value)
+        return self.calls is not None
 
 
 class LateReader:
@@ -184,9 +215,9 @@ def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids
     clock.mark(None)
     drafts, _ = proposer.chain(context, features, k)  # the prompt's rows, then the first chain
     clock.mark("draft")
-    state = torch.cat([torch.tensor([len(context) - 1, context[-1]], device=target.device), drafts])
+    steps, reader = VerifiedSteps.of(proposer, target.log), LateReader(k + 2, target.device)
+    state = steps.start(len(context) - 1, context[-1], drafts)
     lengths = [layer.cumulative_length for layer in cache.layers]
-    steps, reader = VerifiedSteps(proposer, target.log), LateReader(k + 2, target.device)
 
     def launch() -> None:
         clock.mark(None)
