@@ -25,9 +25,10 @@ def method(tau: float | None, rates: list[float] | None = None, diverged: float 
     return values
 
 
-def speed(tokens_per_s: float, speedup: float) -> dict:
-    return {"tokens_per_s": tokens_per_s, "speedup_vs_target": speedup, "draft_ms_per_step": 1.5,
-            "verify_ms_per_step": 20.25, "prompts": 1}
+def speed(tokens_per_s: float, speedup: float, loop: str | None = None) -> dict:
+    values = {"tokens_per_s": tokens_per_s, "speedup_vs_target": speedup, "draft_ms_per_step": 1.5,
+              "verify_ms_per_step": 20.25, "prompts": 1}
+    return values | ({"loop": loop} if loop else {})  # no loop: a timing.json from before the device-resident loops
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def run_dir(tmp_path):
         (run / "evaluation" / f"{name}.json").write_text(json.dumps({"summary": summary, "traces": []}))
     (run / "timing").mkdir()
     (run / "timing" / "timing.json").write_text(json.dumps({"pass": "timing", "sets": {
-        "mtbench-package": {"target": speed(10.0, 1.0), "eagle3@k=2": speed(21.0, 2.1)},
+        "mtbench-package": {"target": speed(10.0, 1.0), "eagle3@k=2": speed(21.0, 2.1, "device")},
         "held-out": {"target": speed(12.0, 1.0)}}}))
     return run
 
@@ -52,8 +53,9 @@ def test_the_headline_table_shows_tau_and_the_timed_speedups(run_dir, capsys):
     rows = {(cells[0], cells[1]): cells[2:] for cells in map(str.split, lines[2:])}
     assert set(rows) == {(s, m) for s in ("mtbench-package", "held-out")
                          for m in ("target", "eagle3@k=2", "prompt-lookup@k=2")}
-    assert rows["mtbench-package", "eagle3@k=2"] == ["2.500", "0.500", "2", "21.0", "2.100", "1.50", "20.25", "1"]
-    assert rows["mtbench-package", "target"] == ["1.000", "0.000", "2", "10.0", "1.000", "1.50", "20.25", "1"]
+    assert rows["mtbench-package", "eagle3@k=2"] == ["2.500", "0.500", "2", "21.0", "2.100", "1.50", "20.25", "1",
+                                                      "device"]
+    assert rows["mtbench-package", "target"] == ["1.000", "0.000", "2", "10.0", "1.000", "1.50", "20.25", "1", "host"]
     assert rows["held-out", "eagle3@k=2"] == ["1.750", "0.500", "2"]  # not timed: the speed cells are empty
     assert rows["held-out", "prompt-lookup@k=2"] == ["1.125", "0.000", "2"]
 

@@ -3,7 +3,8 @@
 
 Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}},
 the per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
-speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompts}}}, the settings, `compiled` and
+speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompts, loop}}} (loop "device": the device-resident
+loop, whose draft/verify ms are device time), the settings, `compiled` and
 `compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds
 suspect). The CSV has TAU_COLUMNS, one row
 per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run
@@ -23,7 +24,7 @@ from eagle3_pipeline.formats.atomic import atomic_write
 TIMING_FILE = "timing/timing.json"  # under results/<run>/, written by the `evaluate_timing` rule
 TAU_COLUMNS = ("prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
                "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)", "draft_ms_per_step (timing pass)",
-               "verify_ms_per_step (timing pass)", "prompts (timing pass)", "sglang_flags")
+               "verify_ms_per_step (timing pass)", "prompts (timing pass)", "loop (timing pass)", "sglang_flags")
 
 
 class InvalidReport(ValueError):
@@ -67,8 +68,9 @@ def tau_rows(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> 
         for method, values in result["summary"].items():
             speed = timing.get("sets", {}).get(name, {}).get(method)
             speeds = ([f"{speed['tokens_per_s']:.1f}", f"{speed['speedup_vs_target']:.3f}",
-                       f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"]]
-                      if speed else [""] * 5)
+                       f"{speed['draft_ms_per_step']:.2f}", f"{speed['verify_ms_per_step']:.2f}", speed["prompts"],
+                       speed.get("loop", "host")]
+                      if speed else [""] * 6)
             rows.append([name, method, f"{values.get('tau', 1.0):.3f}", f"{values.get('diverged_share', 0):.3f}",
                          values["prompts"], *speeds, values.get("sglang_flags", "")])
     return rows

@@ -179,7 +179,7 @@ def run_ahead(trace: Trace, launch: Any, reader: LateReader, record: Any, max_ne
 def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str
                      ) -> Trace:
     """Target-only greedy decoding, each step's input the last step's argmax on the device."""
-    trace = Trace(prompt_id, "target", [])
+    trace = Trace(prompt_id, "target", [], loop="device")
     start = time.perf_counter()
     cache, _, context = prefill(target, prompt_ids, max_new, trace)
     token = torch.tensor([[context[-1]]], device=target.device)
@@ -208,7 +208,10 @@ def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int,
 def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids: list[int], k: int, max_new: int,
                     eos: set[int], prompt_id: str, method: str) -> Trace:
     """EAGLE-3 chain decoding, each verify step's drafts and the next verify's ids computed on the device."""
-    trace = Trace(prompt_id, method, [])
+    if 3 * k + 2 > target.headroom:  # never with the 64-token prefill width, which sets the headroom
+        raise ValueError(f"the device-resident chain at k={k} runs one step past the end: its caches need {3 * k + 2} "
+                         f"slots beyond the sequence, they keep {target.headroom}")
+    trace = Trace(prompt_id, method, [], loop="device")
     start = time.perf_counter()
     cache, features, context = prefill(target, prompt_ids, max_new, trace)
     clock = PhaseClock(target.device)

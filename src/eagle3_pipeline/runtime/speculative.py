@@ -134,6 +134,7 @@ def timing_summary(traces: list[Trace], baseline: list[Trace]) -> dict[str, Any]
         "prompts": len(traces), "tokens": tokens, "tokens_per_s": rate, "speedup_vs_target": rate / base_rate,
         "verify_steps": steps, "draft_ms_per_step": 1000 * sum(t.draft_seconds for t in traces) / steps,
         "verify_ms_per_step": 1000 * sum(t.verify_seconds for t in traces) / steps,
+        "loop": traces[0].loop if traces else "host",  # device: draft/verify ms are device time, steps overlap
     }
 
 

@@ -20,6 +20,7 @@ class Trace:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    loop: str = "host"  # "device": the device-resident loop (pipelined.py), whose draft/verify times are the device's
 
     @property
     def tau(self) -> float:
