@@ -68,3 +68,38 @@ def check_loops(runtime: TargetRuntime, drafter, store, k: int) -> None:
             assert device_eos[method].target_forwards == host_eos[method].target_forwards
             assert device_eos[method].tokens[-1] in eos and len(device_eos[method].tokens) <= 10
     assert accepted > 0  # the trained drafter's drafts are accepted: the acceptance arithmetic ran on real matches
+
+
+@torch.inference_mode()
+def test_the_fused_verified_step_equals_the_eager_one_as_one_graph(trained):
+    """On a GPU the device-resident chain records `fused(verified_step)` (inductor's kernels); here the same compiled
+    function runs on the CPU against the eager one, from the same state, as one graph without breaks."""
+    from eagle3_pipeline.runtime.draft_graph import fused
+    from eagle3_pipeline.runtime.pipelined import verified_step
+
+    target, drafter, store = trained
+    ids = HiddenStore(store).sequence(0)["input_ids"][:16].tolist()
+
+    def arguments() -> dict:
+        """A verify of [x_n, d1..d3] right after the prompt, the drafter's cache holding the prompt's rows (a runtime
+        of its own each time: a runtime reuses its caches)."""
+        runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
+        runtime.prepare([3])
+        cache = runtime.new_cache(len(ids) + 8)
+        _, features = runtime.forward(ids[:-1], cache)
+        proposer = DrafterProposer(drafter, static=True)
+        proposer.reset(64)
+        drafts, _ = proposer.chain(ids, features, 3)
+        state = torch.cat([torch.tensor([len(ids) - 1, ids[-1]]), drafts])
+        logits, aux = runtime.forward_device(state[1:][None], cache)
+        return {"logits": logits, "aux": aux, "state": state, "drafter": drafter, "cache": proposer.cache, "k": 3,
+                "lengths": [layer.cumulative_length for layer in cache.layers]}
+
+    eager_arguments, fused_arguments = arguments(), arguments()
+    (eager,) = verified_step(**eager_arguments)
+    (compiled,) = fused(verified_step)(**fused_arguments)
+    assert torch.equal(compiled, eager) and torch.equal(fused_arguments["state"], eager_arguments["state"])
+    assert [int(t) for t in fused_arguments["lengths"]] == [int(t) for t in eager_arguments["lengths"]]
+    assert int(eager_arguments["lengths"][0]) == len(ids) + int(eager[0])  # the prompt's rows, accepted and bonus
+    explained = torch._dynamo.explain(verified_step)(**arguments())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
