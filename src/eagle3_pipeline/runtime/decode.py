@@ -66,7 +66,9 @@ class TargetRuntime:
         self.headroom = self.prefill_width  # rows the widest step writes beyond a sequence's tokens
         self.step = None
         self.tree_step_failed = False  # compiling the tree verify failed: trees verify eagerly, chains stay compiled
-        self.proven_shapes: set[tuple[str, int, int]] = set()  # (what, width, cache slots) the compiled step ran
+        # successful compiled calls by (what, width, cache slots): CUDA-graph trees warm up on a shape's first call
+        # and record on its second, so a shape that ran three times is past compilation and capture
+        self.shape_calls: dict[tuple[str, int, int], int] = {}
         # greedy and chain decoding with the loop's state on the device (pipelined.py): the compiled runtime's
         # loops; a benchmark turns it off to time the host loops on the same runtime
         self.device_loops = compiled
@@ -146,11 +148,12 @@ class TargetRuntime:
                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`padded` through the compiled step: (logits, aux, failed). Where it raises (no Triton, an unsupported op,
         a compiler error, a failed capture) the cache goes back to its length before the call - a failure past the
-        first layers has advanced some of them - and the tokens run eagerly. Compilation and capture happen on a
-        shape's first call: once a shape has run, its length is not read before the call (a read waits for the
-        device, which the device-resident loops never do)."""
+        first layers has advanced some of them - and the tokens run eagerly. Compilation and capture happen in a
+        shape's first two calls: after three, its length is not read before the call (a read waits for the
+        device, which the device-resident loops never do) and a failure is raised."""
         shape = (what, len(padded[0]) if isinstance(padded, torch.Tensor) else len(padded), cache.get_max_length())
-        before = None if shape in self.proven_shapes else int(cache.get_seq_length())
+        proven = self.shape_calls.get(shape, 0) >= 3
+        before = None if proven else int(cache.get_seq_length())
         # the last step's outputs were copied out: a new CUDA-graph-tree generation may reuse their memory
         # (without this, alternating with other graphs records new tree paths instead of replaying)
         torch.compiler.cudagraph_mark_step_begin()
@@ -158,13 +161,13 @@ class TargetRuntime:
             outputs = self._run(self.step, padded, cache, **inputs)
         except Exception as exc:
             if before is None:
-                raise  # a shape that ran before: not a compilation or capture failure
+                raise  # a shape past its compilation and capture: a real failure
             if self.log is not None:
                 self.log.warning("compiled %s failed (%s: %s); running it eagerly", what, type(exc).__name__,
                                  str(exc)[:300])
             rewind(cache, before)
             return *self._run(self.model.forward, padded, cache, **inputs), True
-        self.proven_shapes.add(shape)
+        self.shape_calls[shape] = self.shape_calls.get(shape, 0) + 1
         return *outputs, False
 
     @torch.inference_mode()

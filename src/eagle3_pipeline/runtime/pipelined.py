@@ -51,13 +51,16 @@ def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, 
 
 class VerifiedSteps:
     """`verified_step` with a drafter's static cache: on CUDA replayed from a CUDA graph of inductor's kernels,
-    recorded on first use per (drafter cache, k, target cache); eagerly elsewhere. Kept with its proposer
-    (`DrafterProposer.device_steps`), and with one loop state per k, so that every prompt replays the same graphs."""
+    recorded on first use per (drafter cache, k, target cache's length tensors); eagerly elsewhere. Kept with its
+    proposer (`DrafterProposer.device_steps`), with one loop state per k, so that every prompt replays the same
+    graphs."""
 
     def __init__(self, proposer: DrafterProposer, log: Any = None):
         self.proposer, self.log = proposer, log
         self.calls = CapturedCalls(verified_step, fuse=True, log=log) if proposer.captured is not None else None
         self.states: dict[int, torch.Tensor] = {}
+        self.lengths: list[torch.Tensor] | None = None
+        self.lengths_key: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, proposer: DrafterProposer, log: Any = None) -> VerifiedSteps:
@@ -81,7 +84,9 @@ class VerifiedSteps:
                  "k": k}
         if self.calls is None:
             return verified_step(logits, aux, **fixed)[0]
-        key = (*cache_key(self.proposer.cache), k, lengths[0].data_ptr())
+        if lengths is not self.lengths:  # a sequence's target cache: its layers' length tensors, by address
+            self.lengths, self.lengths_key = lengths, tuple(length.data_ptr() for length in lengths)
+        key = (*cache_key(self.proposer.cache), k, *self.lengths_key)
         if key not in self.calls.graphs and not self._record(key, logits, aux, fixed):
             return verified_step(logits, aux, **fixed)[0]
         return self.calls(key, {"logits": logits, "aux": aux}, **fixed)[0]
@@ -129,27 +134,35 @@ class LateReader:
 
 
 class PhaseClock:
-    """Device time per phase of a step (CUDA events, read once at the end); wall time where there is no GPU."""
+    """Time per phase of each step: on a GPU spans of the device's timeline between CUDA events (idle gaps included
+    where the host is behind), read once at the end; wall time where there is no GPU."""
 
     def __init__(self, device: torch.device):
         self.on_gpu = device.type == "cuda"
-        self.marks: list[Any] = []
-        self.seconds = {"draft": 0.0, "verify": 0.0}
+        self.steps: list[list[tuple[str | None, Any]]] = []
+
+    def start(self) -> None:
+        """A new step."""
+        self.steps.append([(None, self._now())])
 
     def mark(self, phase: str) -> None:
-        """The end of `phase` (None: the start of a step)."""
-        if self.on_gpu:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append((phase, event))
-        else:
-            self.marks.append((phase, time.perf_counter()))
+        """The end of `phase` in the current step."""
+        self.steps[-1].append((phase, self._now()))
 
-    def totals(self) -> dict[str, float]:
-        for (_, start), (phase, end) in zip(self.marks, self.marks[1:], strict=False):
-            if phase is not None:
-                self.seconds[phase] += start.elapsed_time(end) / 1000 if self.on_gpu else end - start
-        return self.seconds
+    def _now(self) -> Any:
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def totals(self, steps: int) -> dict[str, float]:
+        """Seconds per phase over the first `steps` steps (not a step launched past the end and dropped)."""
+        seconds = {"draft": 0.0, "verify": 0.0}
+        for marks in self.steps[:steps]:
+            for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
+                seconds[phase] += begin.elapsed_time(end) / 1000 if self.on_gpu else end - begin
+        return seconds
 
 
 def run_ahead(trace: Trace, launch: Any, reader: LateReader, record: Any, max_new: int, eos: set[int]) -> None:
@@ -187,7 +200,7 @@ def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int,
 
     def launch() -> None:
         nonlocal token
-        clock.mark(None)
+        clock.start()
         logits, _ = target.forward_device(token, cache)
         token = logits[-1:].argmax(-1, keepdim=True)
         clock.mark("verify")
@@ -199,8 +212,9 @@ def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int,
 
     run_ahead(trace, launch, reader, record, max_new, eos)
     synchronize(target.device)
-    trace.total_seconds = time.perf_counter() - start
-    trace.verify_seconds = clock.totals()["verify"]
+    trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
+    trace.verify_seconds = clock.totals(trace.target_forwards)["verify"]
+    trace.target_forwards = max(trace.target_forwards, 1)  # as the host loop counts a prompt ended by its prefill
     return trace
 
 
@@ -208,14 +222,15 @@ def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int,
 def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids: list[int], k: int, max_new: int,
                     eos: set[int], prompt_id: str, method: str) -> Trace:
     """EAGLE-3 chain decoding, each verify step's drafts and the next verify's ids computed on the device."""
-    if 3 * k + 2 > target.headroom:  # never with the 64-token prefill width, which sets the headroom
-        raise ValueError(f"the device-resident chain at k={k} runs one step past the end: its caches need {3 * k + 2} "
-                         f"slots beyond the sequence, they keep {target.headroom}")
+    if 4 * k + 2 > target.headroom:  # never with the 64-token prefill width, which sets the headroom
+        raise ValueError(f"the device-resident chain at k={k} runs steps past the end (one past the sequence, two "
+                         f"more while recording): its caches need {4 * k + 2} slots beyond the sequence, they keep "
+                         f"{target.headroom}")
     trace = Trace(prompt_id, method, [], loop="device")
     start = time.perf_counter()
     cache, features, context = prefill(target, prompt_ids, max_new, trace)
     clock = PhaseClock(target.device)
-    clock.mark(None)
+    clock.start()
     drafts, _ = proposer.chain(context, features, k)  # the prompt's rows, then the first chain
     clock.mark("draft")
     steps, reader = VerifiedSteps.of(proposer, target.log), LateReader(k + 2, target.device)
@@ -223,7 +238,7 @@ def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids
     lengths = [layer.cumulative_length for layer in cache.layers]
 
     def launch() -> None:
-        clock.mark(None)
+        clock.start()
         logits, aux = target.forward_device(state[1:][None], cache)
         clock.mark("verify")
         reader.push(steps(logits, aux, state, lengths, k))
@@ -239,8 +254,9 @@ def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids
     run_ahead(trace, launch, reader, record, max_new, eos)
     synchronize(target.device)
     trace.tokens = trace.tokens[:max_new]
-    trace.total_seconds = time.perf_counter() - start
-    seconds = clock.totals()
+    trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
+    seconds = clock.totals(1 + trace.target_forwards)  # the prompt's chain, then the recorded steps
     trace.draft_seconds, trace.verify_seconds = seconds["draft"], seconds["verify"]
+    proposer.reset()  # its rows were written on the device: the host's count of them is stale
     return trace
 
