@@ -11,10 +11,11 @@ so the ratio to `compiled` is what a cache sized for the longest prompt costs th
 of 32 compiled target-only tokens (GPU time vs wall time says whether a step waits on the host or on the device),
 and of the fused drafter chains.
 
-The drafter is untrained (random weights, the target's shape and embedding): its acceptance is ~0, so the
-timing pass's speedup for it means nothing, but its per-step drafting time is what a trained drafter costs.
-With --tau (a tau measured by the evaluation, e.g. this session's MT-bench k=4), the projected speedup of a
-drafter with that tau is printed: tau x (target ms per token) / (draft + verify ms per step).
+`--serving DIR` times a trained drafter (its speedups are real ones). By default the drafter is untrained (random
+weights, the target's shape and embedding): its acceptance is ~0, so the timing pass's speedup for it means
+nothing, but its cost per verify step is what a trained drafter's is. With --tau (a tau measured by the
+evaluation, e.g. this session's MT-bench k=4), the projected speedup of a drafter with that tau is printed:
+tau x (target ms per token) / (ms per verify step of the chain).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
-from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served
 from eagle3_pipeline.runtime.speculative import synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
 from eagle3_pipeline.stages import evaluate_timing, target
@@ -45,6 +46,12 @@ def target_directory(source: str, scratch: Path) -> Path:
         return path
     target.materialise(source, scratch / "target")
     return scratch / "target"
+
+
+def served_drafter(serving_dir: Path, target_dir: Path, device: str, dtype: torch.dtype) -> Drafter:
+    """A trained drafter as exported (`results/<run>/serving/drafter`), with the target's embedding."""
+    embedding, _ = read_head(target_dir)
+    return load_served(serving_dir, embedding=embedding.float(), dtype=dtype).to(device).eval()
 
 
 def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype) -> Drafter:
@@ -180,6 +187,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tau", type=float, help="a measured tau at this k, for the projected speedup")
+    parser.add_argument("--serving", type=Path, help="a trained drafter's serving directory (default: an untrained "
+                        "drafter of the target's shape, whose drafts are rejected)")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
@@ -208,7 +217,8 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
                args: argparse.Namespace, log) -> float:
     """One runtime's timing pass (target-only and the chain at k) on the prompts: target-only tokens/s."""
     model = loading.load_model(target_dir, device=device, dtype=dtype)
-    drafter = untrained_drafter(target_dir, 16384, device, dtype)
+    drafter = (served_drafter(args.serving, target_dir, device, dtype) if args.serving
+               else untrained_drafter(target_dir, 16384, device, dtype))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache

@@ -10,6 +10,8 @@
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
 #             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run.
+#             The trained drafter's weights come back in parts (drafter-part-*, drafter.sha256) for
+#             bench_decode.py --serving in a later session.
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
@@ -97,6 +99,17 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
     head -c 200000 results/smollm2-gpu/regenerated/shard-00000.jsonl > regenerated-sample.jsonl && \
     files+=(regenerated-sample.jsonl)
   tar czf "$out/$stage-bundle.tar.gz" logs "${files[@]}" /tmp/ddp/*.txt /tmp/ddp/*/train.log 2>/dev/null
+  keep_drafter
+}
+
+keep_drafter() {  # single: the trained drafter's weights back in parts of 15 MiB ($OUT takes files up to 16 MiB), so a
+  # later session can time it (bench_decode.py --serving) without retraining; join: cat drafter-part-* (sha256 in
+  # drafter.sha256, config.json in the bundle)
+  local weights=results/$second_name/serving/drafter/model.safetensors
+  [ "$stage" = single ] && [ -e "$weights" ] || return 0
+  rm -f "$out"/drafter-part-*
+  split -b 15M -d "$weights" "$out/drafter-part-"
+  sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
 }
 
 case $stage in
