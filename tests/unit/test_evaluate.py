@@ -194,7 +194,8 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])],
                    "b": [Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
     settings = evaluate_timing.Settings.from_config(schema_defaults("evaluate") | {
-        "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3], "timing": {"prompts": 1, "max_new_tokens": 8},
+        "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3],
+        "timing": {"prompts": 1, "max_new_tokens": 8, "device_loops": True},
         "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}]}, trust_remote_code=False)
     result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
@@ -203,6 +204,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
         assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3",
                                "eagle3-tree(steps=2,topk=2,tokens=4)"}
         assert speeds["target"]["speedup_vs_target"] == 1.0
+        assert {speed["loop"] for speed in speeds.values()} == {"host"}  # eager: no device-resident loops
         for method, speed in speeds.items():
             assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless
             assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])

@@ -37,6 +37,7 @@ class Settings:
     compile: str | bool
     trust_remote_code: bool
     trees: tuple[TreeSetting, ...]
+    device_loops: bool  # compiled: greedy and the chain decode with their loop state on the device
 
     @classmethod
     def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
@@ -44,7 +45,8 @@ class Settings:
         return cls(prompts=timing["prompts"], max_new_tokens=timing["max_new_tokens"],
                    multi_turn=section["multi_turn"], draft_lengths=tuple(section["draft_lengths"]),
                    device=section["device"], dtype=section["dtype"], compile=section["compile"],
-                   trust_remote_code=trust_remote_code, trees=parse_settings(section["tree"]))
+                   trust_remote_code=trust_remote_code, trees=parse_settings(section["tree"]),
+                   device_loops=timing["device_loops"])
 
 
 def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
@@ -98,6 +100,7 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     """The timing pass's results JSON: speeds by prompt set and method."""
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings.device, settings.dtype, False,
                                               settings.compile, settings.trust_remote_code, log, timing_pass=True)
+    target.device_loops = target.compiled and settings.device_loops
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], list(settings.draft_lengths),
                        settings.max_new_tokens, settings.dtype == "float32", log, settings.trees)
     return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings.device),
