@@ -147,7 +147,7 @@ def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained):
     def arguments() -> dict:
         proposer = drafting.DrafterProposer(drafter, static=True)
         proposer.reset(64)
-        integers, hidden, _ = proposer.real_rows(ids[:n + 1], features[:n], k)
+        integers, hidden = proposer.real_rows(ids[:n + 1], features[:n], k)
         return {"drafter": drafter, "integers": integers, "hidden": hidden, "cache": proposer.cache, "k": k}
 
     eager_drafts, eager_logits = chain_drafts(**arguments())

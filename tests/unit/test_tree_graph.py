@@ -131,7 +131,7 @@ def test_fused_tree_drafting_drafts_the_eager_trees(model):
     def arguments() -> dict:
         tree = TreeDrafter(drafter, setting)
         tree.reset(64)
-        integers, hidden, _ = tree.proposer.real_rows(ids, features[:-1], setting.num_steps)
+        integers, hidden = tree.proposer.real_rows(ids, features[:-1], setting.num_steps)
         return {"drafter": drafter, "integers": integers, "hidden": hidden, "cache": tree.proposer.cache,
                 "rows": tree.rows, "steps": setting.num_steps, "topk": setting.topk,
                 "kept": setting.num_draft_tokens - 1}

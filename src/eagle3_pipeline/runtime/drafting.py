@@ -63,7 +63,7 @@ class DrafterProposer:
         Positions as served (vLLM `EagleProposer.propose`, SGLang `draft_forward`): real row p (token x_{p+1},
         feature f_p) at position p; the first draft from the last real row (position n-1); chain row i
         (fed draft i) at position n-1+i."""
-        integers, hidden, _ = self.real_rows(context, features, k)
+        integers, hidden = self.real_rows(context, features, k)
         width = hidden.shape[1]
         if self.captured is not None and width == k + 1:
             try:
@@ -77,10 +77,10 @@ class DrafterProposer:
         drafts, logits, self.cache = chain_steps(self.drafter, ids, hidden, positions, last, self.cache, k)
         return drafts, logits  # the chain's rows are speculative: the cache keeps the real rows only
 
-    def real_rows(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The rows the drafter has not seen: their ids, positions and the index of the last one packed in one
-        integer tensor (`draft_graph.split_rows`: one host-to-device copy that does not wait for the device), their
-        features [1,W,3H], and how many are real. With a static cache they come padded to k + 1, the chain's one
+    def real_rows(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the drafter has not seen: their ids, positions and the index of the last real one packed in one
+        integer tensor (`draft_graph.split_rows`: one host-to-device copy that does not wait for the device), and
+        their features [1,W,3H]. With a static cache they come padded to k + 1, the chain's one
         shape; more than that (a prompt's) are first written without drafting, eagerly, so that the chain after
         a prompt is the recorded one too."""
         n = features.shape[0]
@@ -97,7 +97,7 @@ class DrafterProposer:
         if width > new:
             hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
         self.done = n
-        return integers, hidden[None], new
+        return integers, hidden[None]
 
     def _write(self, context: list[int], features: torch.Tensor, upto: int) -> None:
         """Real rows up to `upto` into the cache without drafting (one eager forward)."""

@@ -137,7 +137,7 @@ class TreeDrafter:
     def draft(self, context: list[int], features: torch.Tensor) -> DraftTree:
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
         steps = self.setting.num_steps
-        integers, hidden, _ = self.proposer.real_rows(context, features, steps)
+        integers, hidden = self.proposer.real_rows(context, features, steps)
         cache, packed = self.proposer.cache, None
         if self.captured is not None and hidden.shape[1] == steps + 1:
             try:
