@@ -34,7 +34,7 @@ from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime import loading
-from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served
+from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
 from eagle3_pipeline.runtime.speculative import synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
 from eagle3_pipeline.stages import evaluate_timing, target
@@ -46,12 +46,6 @@ def target_directory(source: str, scratch: Path) -> Path:
         return path
     target.materialise(source, scratch / "target")
     return scratch / "target"
-
-
-def served_drafter(serving_dir: Path, target_dir: Path, device: str, dtype: torch.dtype) -> Drafter:
-    """A trained drafter as exported (`results/<run>/serving/drafter`), with the target's embedding."""
-    embedding, _ = read_head(target_dir)
-    return load_served(serving_dir, embedding=embedding.float(), dtype=dtype).to(device).eval()
 
 
 def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype) -> Drafter:
@@ -217,7 +211,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
                args: argparse.Namespace, log) -> float:
     """One runtime's timing pass (target-only and the chain at k) on the prompts: target-only tokens/s."""
     model = loading.load_model(target_dir, device=device, dtype=dtype)
-    drafter = (served_drafter(args.serving, target_dir, device, dtype) if args.serving
+    drafter = (load_served_for(target_dir, args.serving, dtype).to(device) if args.serving
                else untrained_drafter(target_dir, 16384, device, dtype))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
     if mode == "long-cache":

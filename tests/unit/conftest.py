@@ -58,7 +58,6 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
 def trained_tiny_drafter(tmp_path):
     """A drafter trained (8 epochs, 3 TTT steps) on `tiny_target_with_store`'s motif data, exported and loaded as a
     server would, with that target's runtime and store: (target runtime, drafter, store path)."""
-    from eagle3_pipeline.formats.target_dir import read_head
     from eagle3_pipeline.runtime import drafting
     from eagle3_pipeline.runtime.decode import TargetRuntime
     from eagle3_pipeline.runtime.loading import load_model
@@ -73,8 +72,7 @@ def trained_tiny_drafter(tmp_path):
                       ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
                       checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
     export.export(model, tmp_path / "serving", dtype="float32")
-    embedding, _ = read_head(target_dir)
-    drafter = drafting.load_served(tmp_path / "serving", embedding=embedding.float())
+    drafter = drafting.load_served_for(target_dir, tmp_path / "serving", torch.float32)
     target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store
 

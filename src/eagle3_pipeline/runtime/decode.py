@@ -129,17 +129,9 @@ class TargetRuntime:
         n = len(tokens)
         width = next(w for w in self.widths if w >= n)
         padded = tokens + [tokens[-1]] * (width - n)
-        # a new cache allocates its tensors on first use: eagerly, so transformers marks them static addresses
-        # (inside a compiled step it cannot, and CUDA graphs are skipped for the mutated cache)
-        if self.step is not None and all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-            logits, aux, failed = self._through_step(padded, cache, "target step")
-            if failed:
-                self.step = None
-            # CUDA-graph outputs are overwritten by the next replay: keep copies of the rows asked for
-            logits, aux = logits[:n].clone(), aux[:n].clone()
-        else:
-            logits, aux = self._run(self.model.forward, padded, cache)
-            logits, aux = logits[:n], aux[:n]
+        logits, aux, replayed = self._step(padded, cache)
+        # CUDA-graph outputs are overwritten by the next replay: keep copies of the rows asked for
+        logits, aux = (logits[:n].clone(), aux[:n].clone()) if replayed else (logits[:n], aux[:n])
         if width > n:
             remove_last_rows(cache, width - n)  # forget the padding rows
         return logits, aux
@@ -174,12 +166,20 @@ class TargetRuntime:
     def forward_device(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids already on the device ([1, W], W a compiled width) through the step, reading nothing back: the
         device-resident loops' step. The outputs may be a captured graph's: consume them before the next call."""
-        if self.step is not None and all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-            logits, aux, failed = self._through_step(ids, cache, "target step")
-            if failed:
-                self.step = None
-            return logits, aux
-        return self._run(self.model.forward, ids, cache)
+        logits, aux, _ = self._step(ids, cache)
+        return logits, aux
+
+    def _step(self, padded: list[int] | torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """A compiled width of tokens through the compiled step where there is one (True: its outputs are the next
+        replay's), else eagerly; a failed compilation leaves the runtime eager."""
+        # a new cache allocates its tensors on first use: eagerly, so transformers marks them static addresses
+        # (inside a compiled step it cannot, and CUDA graphs are skipped for the mutated cache)
+        if self.step is None or not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+            return *self._run(self.model.forward, padded, cache), False
+        logits, aux, failed = self._through_step(padded, cache, "target step")
+        if failed:
+            self.step = None
+        return logits, aux, True
 
     def _run(self, forward: Any, tokens: list[int] | torch.Tensor, cache: Any, **inputs: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

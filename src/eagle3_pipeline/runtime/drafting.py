@@ -136,20 +136,26 @@ def load_models(target_dir: Path, serving_dir: Path, device_setting: str, dtype_
                 ) -> tuple[TargetRuntime, Any, dict[str, Drafter]]:
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
-    from eagle3_pipeline.formats.target_dir import read_head
     from eagle3_pipeline.runtime import decode as runtime
     from eagle3_pipeline.runtime.devices import pick_device
 
     device = pick_device(device_setting)
     dtype = getattr(torch, dtype_name)
-    embedding, _ = read_head(target_dir)
-    drafter = load_served(serving_dir, embedding=embedding.float(), dtype=dtype).to(device)
+    drafter = load_served_for(target_dir, serving_dir, dtype).to(device)
     drafters = {"eagle3": drafter}
     if untrained_baseline:
         drafters["eagle3-untrained"] = untrained_like(drafter)
     target, tokenizer = runtime.load(target_dir, drafter.config.aux_layer_ids, device, dtype, compile_setting,
                                      timing_pass, trust_remote_code, log)
     return target, tokenizer, drafters
+
+
+def load_served_for(target_dir: Path, serving_dir: Path, dtype: torch.dtype) -> Drafter:
+    """An exported drafter with its target's embedding (from the target directory), as a server loads it."""
+    from eagle3_pipeline.formats.target_dir import read_head
+
+    embedding, _ = read_head(target_dir)
+    return load_served(serving_dir, embedding=embedding.float(), dtype=dtype)
 
 
 def load_served(directory: Path, embedding: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
