@@ -10,7 +10,7 @@ import torch
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.loading import load_model
+from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.stages import evaluate, evaluate_timing
 from eagle3_pipeline.workflow_config import schema_defaults
@@ -208,6 +208,27 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
         for method, speed in speeds.items():
             assert speed["tokens"] == speeds["target"]["tokens"] and speed["tokens_per_s"] > 0, method  # lossless
             assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])
+
+
+def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_fail(target_dir, tmp_path,
+                                                                                    monkeypatch, caplog):
+    def failing_chain(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(speculative, "chain_on_device", failing_chain)  # as a failed CUDA-graph recording would
+    model = load_model(target_dir, "cpu", torch.float32)
+    target = TargetRuntime(model, [2, 15, 27], static=True)  # the compiled runtime's static caches, uncompiled
+    target.device_loops = True
+    drafter = drafting.load_served_for(target_dir, smollm2_serving_dir(target_dir, tmp_path / "serving"), torch.float32)
+    prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])]}
+    with caplog.at_level(logging.WARNING):
+        sets = evaluate_timing.timing_pass(target, load_tokenizer(target_dir), prompt_sets, drafter, [2], 8, True,
+                                           logging.getLogger("test"))
+    assert "device-resident loops failed in the warm-up (RuntimeError: capture failed)" in caplog.text
+    assert target.device_loops is False
+    speeds = sets["a"]
+    assert {speed["loop"] for speed in speeds.values()} == {"host"}
+    assert speeds["eagle3@k=2"]["tokens"] == speeds["target"]["tokens"] > 0
 
 
 @pytest.mark.parametrize("static_layers_crop", [True, False], ids=["transformers-5.24", "transformers-5.17-like"])

@@ -60,7 +60,7 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
         log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
-        decode_prompt(target, methods, "warm-up", ids, max_new if size else min(max_new, 16), eos, strict)
+        warm_up(target, methods, ids, max_new if size else min(max_new, 16), eos, strict, log)
     if target.compiled and (skipped := steps_without_cuda_graphs()):
         log.warning("timing pass: %d compiled step(s) run without CUDA graphs (torch's [__cudagraphs] log lines say "
                     "why): their speeds are launch-bound, not a captured step's", skipped)
@@ -76,6 +76,22 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
                      "%.2f ms verifying", name, method, summary["loop"], summary["tokens_per_s"],
                      summary["speedup_vs_target"], summary["draft_ms_per_step"], summary["verify_ms_per_step"])
     return results
+
+
+def warm_up(target: TargetRuntime, methods: dict[str, Any], ids: list[int], max_new: int, eos: set[int],
+            strict: bool, log: Any) -> None:
+    """Decode one prompt with every method, untimed. Should the device-resident loops fail here (their recording
+    is the newest part of the runtime), the pass goes on with host loops and says so, rather than losing the
+    timing of every method."""
+    try:
+        decode_prompt(target, methods, "warm-up", ids, max_new, eos, strict)
+    except Exception as error:
+        if not target.device_loops:
+            raise
+        log.exception("timing pass: the device-resident loops failed in the warm-up (%s: %s); timing host loops "
+                      "instead (results name each method's loop)", type(error).__name__, error)
+        target.device_loops = False
+        decode_prompt(target, methods, "warm-up", ids, max_new, eos, strict)
 
 
 def warm_up_prompts(target: TargetRuntime, encoded: dict[str, list[tuple[str, list[int]]]], max_new: int
