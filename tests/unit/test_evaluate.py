@@ -318,6 +318,18 @@ def test_a_compiled_step_that_fails_part_way_leaves_the_cache_as_it_was(target_d
     torch.testing.assert_close(logits, eager.forward([7, 8, 9], reference)[0], rtol=1e-3, atol=1e-3)
 
 
+def test_a_model_gets_one_compiled_runtime_per_process():
+    from eagle3_pipeline.logs import ClearError
+    from tests.unit.conftest import tiny_llama
+
+    model = tiny_llama(layers=2, hidden=32)
+    TargetRuntime(model, [1, 1, 2])  # eager runtimes share a model freely
+    TargetRuntime(model, [1, 1, 2], compiled=True)
+    with pytest.raises(ClearError, match="already has a compiled target runtime"):
+        TargetRuntime(model, [1, 1, 2], compiled=True)
+    assert TargetRuntime(tiny_llama(layers=2, hidden=32), [1, 1, 2], compiled=True).compiled  # a model of its own
+
+
 def test_compile_auto_means_the_timing_pass_on_cuda():
     from eagle3_pipeline.runtime.decode import compile_decision
 

@@ -21,12 +21,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 AUX_LAYERS = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def model():
+def confident_target() -> torch.nn.Module:
     target = tiny_llama(layers=4, hidden=64, vocab=256, seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(40)  # a confident target: no near ties between a 1-row and a tree forward
     return target.to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return confident_target()
 
 
 def random_drafter(model, seed: int = 0) -> Drafter:
@@ -58,8 +62,9 @@ def test_a_tree_holding_the_targets_continuation_is_accepted_down_that_branch(mo
     greedy output, so every verify saw exactly its ancestors."""
     ids = prompt()
     reference = speculative.greedy(TargetRuntime(model, AUX_LAYERS), ids, 40, set(), "p").tokens
-    target = TargetRuntime(model, AUX_LAYERS, static=True, compiled=mode == "compiled",
-                           log=logging.getLogger("test"))
+    # a compiled runtime gets a model of its own (one per model and process: decode.claim_for_compilation)
+    target = TargetRuntime(confident_target() if mode == "compiled" else model, AUX_LAYERS, static=True,
+                           compiled=mode == "compiled", log=logging.getLogger("test"))
     target.prepare([3])
     cache = target.new_cache(len(ids) + 48)
     logits, _ = target.forward(ids, cache)
@@ -103,7 +108,7 @@ def test_captured_tree_drafting_drafts_the_eager_trees(model):
 def test_tree_decoding_with_the_compiled_target_and_the_captured_drafter_is_lossless(model):
     drafter = random_drafter(model)
     eager = TargetRuntime(model, AUX_LAYERS)
-    compiled = TargetRuntime(model, AUX_LAYERS, compiled=True, log=logging.getLogger("test"))
+    compiled = TargetRuntime(confident_target(), AUX_LAYERS, compiled=True, log=logging.getLogger("test"))
     compiled.prepare([3])
     for setting in (TreeSetting(5, 4, 8), TreeSetting(3, 2, 6)):
         for seed in range(2):

@@ -20,7 +20,19 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.kv_cache import SMALLEST_CACHE, has_sliding_layers, remove_last_rows, rewind, static_size
+
+
+def claim_for_compilation(model: torch.nn.Module) -> None:
+    """A model gets one compiled runtime per process. torch.compile keys its graphs on the model object and
+    outlives the runtime; dynamo does not guard on forward hooks, so a second runtime's compiled steps would
+    replay the first's graphs, with the first runtime's aux hooks (its own would never see the compiled step's
+    layers) and CUDA graphs recorded on the first runtime's cache addresses. Load the model again instead."""
+    if getattr(model, "_eagle3_compiled_runtime", False):
+        raise ClearError("this model already has a compiled target runtime in this process; a second one would "
+                         "replay the first one's graphs (its hooks, its cache addresses): load the model again")
+    model._eagle3_compiled_runtime = True
 
 
 def compile_decision(requested: str | bool, device: str, timing_pass: bool) -> tuple[bool, str]:
@@ -73,6 +85,7 @@ class TargetRuntime:
         # loops; a benchmark turns it off to time the host loops on the same runtime
         self.device_loops = compiled
         if compiled:
+            claim_for_compilation(model)
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
