@@ -64,6 +64,16 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
     assert built[10].prompts == config["evaluate"]["timing"]["prompts"]
 
 
+def test_the_timing_pass_times_the_trees_unless_told_not_to():
+    section = embedded_config()["evaluate"]
+    assert section["tree"] and section["timing"]["trees"] is True
+    timed = evaluate_timing.Settings.from_config(section, trust_remote_code=False)
+    assert len(timed.trees) == len(section["tree"])
+    untimed = section | {"timing": section["timing"] | {"trees": False}}
+    assert evaluate_timing.Settings.from_config(untimed, trust_remote_code=False).trees == ()
+    assert evaluate.Settings.from_config(untimed, trust_remote_code=False).trees == timed.trees  # the tau pass keeps them
+
+
 def test_stage_settings_have_no_defaults_of_their_own():
     classes = [ingest.Settings, tokenize.Settings, vocab.Settings, target.Settings, parity.Settings,
                extract.Settings, regenerate.Settings, train.TrainSettings, export.Settings, evaluate.Settings,

@@ -36,7 +36,7 @@ class Settings:
     dtype: str
     compile: str | bool
     trust_remote_code: bool
-    trees: tuple[TreeSetting, ...]
+    trees: tuple[TreeSetting, ...]  # none where evaluate.timing.trees is false
     device_loops: bool  # compiled: greedy and the chain decode with their loop state on the device
 
     @classmethod
@@ -45,7 +45,8 @@ class Settings:
         return cls(prompts=timing["prompts"], max_new_tokens=timing["max_new_tokens"],
                    multi_turn=section["multi_turn"], draft_lengths=tuple(section["draft_lengths"]),
                    device=section["device"], dtype=section["dtype"], compile=section["compile"],
-                   trust_remote_code=trust_remote_code, trees=parse_settings(section["tree"]),
+                   trust_remote_code=trust_remote_code,
+                   trees=parse_settings(section["tree"]) if timing["trees"] else (),
                    device_loops=timing["device_loops"])
 
 
