@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPU session helper (H200s), run after ../shared/hooks/device-stage.sh --with-snakemake has unpacked the
-# model and wheels into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
+# GPU session helper (H200s), run after ../shared/hooks/device-stage.sh --with-snakemake and
+# benchmarks/device-stage-extra.sh have staged, and .device/{1,2,3}/unpack.sh have unpacked, the model and wheels
+# into /opt/e3. Usage: bash benchmarks/device_run.sh STAGE OUTDIR
+# A session's calls must follow each other within ~30 s (the machine forgets everything once idle): repeat the
+# same command at once, LIMIT ~540 with the call's timeout ~590 s; read the results after the last call.
 #   compare   config/examples/gpu-smollm2.yaml on GPU 0 and a second run on GPU 1 (last GPU),
 #             each through evaluation and its HTML report. The second run's overlays are $SECOND (default: the
 #             data-size control gpu-smollm2-8k.yaml), given after $DEVICE_CONFIG, so they may override it.
@@ -22,7 +25,8 @@
 #             bench_decode.py when time is left; resumable across calls like compare.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
-# Extra config (device paths) comes from $DEVICE_CONFIG: files appended to every --configfile list.
+# Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
+# appended to every --configfile list.
 # bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 set -uo pipefail
 stage=$1 out=$2
@@ -36,7 +40,7 @@ read -ra second <<< "${SECOND:-config/examples/gpu-smollm2-8k.yaml}"
 second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
-  cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-} "$@" --cores all --resources gpu=4
+  cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-benchmarks/device-pool.yaml} "$@" --cores all --resources gpu=4
        --scheduler greedy --rerun-incomplete)
 }
 
