@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -310,7 +311,9 @@ def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp
 @pytest.mark.slow
 def test_flex_ttt_attention_equals_the_explicit_one():
     """The fused kernel's block mask (GPU training) against the explicit scores, on CPU (forward only:
-    flex has no CPU backward). Padding included: only valid rows are compared."""
+    flex has no CPU backward) through flex's eager implementation: inductor's CPU flex kernel, which training
+    never uses, gave wrong rows for some shapes on an AVX2-only host (torch 2.13). Padding included: only
+    valid rows are compared."""
     torch.manual_seed(0)
     model = Drafter(tiny_config()).eval()
     batch, length = 2, 40
@@ -322,7 +325,8 @@ def test_flex_ttt_attention_equals_the_explicit_one():
 
     @torch.no_grad()
     def unroll(flex: bool) -> list[torch.Tensor]:
-        cache, h, logits = TTTKV(flex_ttt_attention if flex else explicit_ttt_attention), hidden, []
+        kernel = functools.partial(flex_ttt_attention, compiled=False) if flex else explicit_ttt_attention
+        cache, h, logits = TTTKV(kernel), hidden, []
         for _ in range(4):
             out, h, cache = model(ids, h, positions, cache)
             logits.append(out[valid])

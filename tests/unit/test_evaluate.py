@@ -195,7 +195,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
                    "b": [Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
     settings = evaluate_timing.Settings.from_config(schema_defaults("evaluate") | {
         "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3],
-        "timing": {"prompts": 1, "max_new_tokens": 8, "device_loops": True},
+        "timing": {"prompts": 1, "max_new_tokens": 8, "device_loops": True, "trees": True},
         "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}]}, trust_remote_code=False)
     result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}

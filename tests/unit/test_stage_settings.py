@@ -71,7 +71,8 @@ def test_the_timing_pass_times_the_trees_unless_told_not_to():
     assert len(timed.trees) == len(section["tree"])
     untimed = section | {"timing": section["timing"] | {"trees": False}}
     assert evaluate_timing.Settings.from_config(untimed, trust_remote_code=False).trees == ()
-    assert evaluate.Settings.from_config(untimed, trust_remote_code=False).trees == timed.trees  # the tau pass keeps them
+    # the tau pass keeps them
+    assert evaluate.Settings.from_config(untimed, trust_remote_code=False).trees == timed.trees
 
 
 def test_stage_settings_have_no_defaults_of_their_own():

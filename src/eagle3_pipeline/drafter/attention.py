@@ -86,13 +86,17 @@ def ttt_block_mask(length: int, steps: int, device: torch.device):
     return create_block_mask(visible, None, None, length, steps * length, device=device)
 
 
-def flex_ttt_attention(q: torch.Tensor, steps: Sequence[KVPair]) -> torch.Tensor:
+def flex_ttt_attention(q: torch.Tensor, steps: Sequence[KVPair], compiled: bool = True) -> torch.Tensor:
     """The same attention as `explicit_ttt_attention` as one fused kernel (GPU): the extra steps cost a few
-    diagonal tiles instead of a materialised [T, T] score matrix."""
+    diagonal tiles instead of a materialised [T, T] score matrix. `compiled=False`: flex's eager reference
+    implementation of the same mask (tests on a CPU, where inductor's flex kernel is not used for training)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     keys = torch.cat([k for k, _ in steps], dim=2)
     values = torch.cat([v for _, v in steps], dim=2)
     mask = ttt_block_mask(q.shape[2], len(steps), q.device)
-    return _compiled_flex_attention()(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    return attend(q, keys, values, block_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
 
 
 def flex_attention_problem(device: torch.device) -> str | None:
