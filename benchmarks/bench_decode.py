@@ -231,6 +231,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
         draft, verify = chain["draft_ms_per_step"], chain["verify_ms_per_step"]
         split = (f"of which the device spent {draft:.2f} ms drafting and {verify:.2f} ms verifying" if device_loops
                  else f"{draft:.2f} ms drafting + {verify:.2f} ms verifying")
+        split += f" (each prompt's first drafting {chain['prompt_draft_ms_per_prompt']:.2f} ms)"
         print(f"{str(dtype).removeprefix('torch.')} [{label}{loops}{failed}]: target-only {only['tokens_per_s']:.1f} "
               f"tokens/s ({1000 / only['tokens_per_s']:.2f} ms per token); chain of {args.k}: {step_ms:.2f} ms per "
               f"verify step, {split}", flush=True)

@@ -26,9 +26,11 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
     assert summarise([trace], 3)["tau"] == pytest.approx(11 / 4)
     baseline = Trace("p", "target", tokens=list(range(11)), target_forwards=11, total_seconds=2.0)
     trace.total_seconds, trace.draft_seconds, trace.verify_seconds = 1.0, 0.2, 0.6
+    trace.prompt_draft_seconds = 0.08
     speed = timing_summary([trace], [baseline])
     assert speed["speedup_vs_target"] == pytest.approx(2.0)
     assert speed["draft_ms_per_step"] == pytest.approx(50.0) and speed["verify_ms_per_step"] == pytest.approx(150.0)
+    assert speed["prompt_draft_ms_per_prompt"] == pytest.approx(80.0)
 
 
 def test_prompt_lookup_copies_what_followed_the_last_match():

@@ -3,8 +3,9 @@
 
 Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}},
 the per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
-speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompts, loop}}} (loop "device": the device-resident
-loop, whose draft/verify ms are device time), the settings, `compiled` and
+speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompt_draft_ms_per_prompt, prompts, loop}}} (loop
+"device": the device-resident loop, whose draft/verify ms are device time; prompt_draft_ms_per_prompt: of the
+drafting, each prompt's first, which writes its rows into the drafter's cache), the settings, `compiled` and
 `compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds
 suspect). The CSV has TAU_COLUMNS, one row
 per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run

@@ -257,6 +257,7 @@ def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids
     trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
     seconds = clock.totals(1 + trace.target_forwards)  # the prompt's chain, then the recorded steps
     trace.draft_seconds, trace.verify_seconds = seconds["draft"], seconds["verify"]
+    trace.prompt_draft_seconds = clock.totals(1)["draft"]  # the prompt's rows and first chain
     proposer.reset()  # its rows were written on the device: the host's count of them is stale
     return trace
 

@@ -18,6 +18,7 @@ class Trace:
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verify step (a tree: its depth)
     target_forwards: int = 0
     draft_seconds: float = 0.0
+    prompt_draft_seconds: float = 0.0  # of draft_seconds, the first drafting: the prompt's rows, then drafts
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     loop: str = "host"  # "device": the device-resident loop (pipelined.py), whose draft/verify times are the device's

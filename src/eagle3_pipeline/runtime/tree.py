@@ -172,6 +172,8 @@ def tree_speculative(target: TargetRuntime, drafter: TreeDrafter, prompt_ids: li
         predictions = logits.argmax(-1).tolist()
         synchronize(target.device)
         trace.draft_seconds += middle - tick
+        if trace.target_forwards == 0:  # the prompt's rows went into the drafter's cache first
+            trace.prompt_draft_seconds = middle - tick
         trace.verify_seconds += time.perf_counter() - middle
         trace.target_forwards += 1
         path, bonus = tree.accept(predictions)
