@@ -135,6 +135,35 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
 
 
 @torch.inference_mode()
+def test_a_prompt_goes_into_the_static_cache_in_chunks_of_one_shape(trained, monkeypatch):
+    """Prompts of any length write their rows in forwards of PROMPT_CHUNK rows (the last one padded), so a prompt of
+    a new length meets no new shape inside a timed decode; the chain after it drafts what vLLM's rule drafts."""
+    target, drafter, store = trained
+    from eagle3_pipeline.formats.hidden_store import HiddenStore
+
+    widths = []
+    write_rows = drafting.write_rows
+    monkeypatch.setattr(drafting, "write_rows", lambda integers, hidden, *rest: widths.append(hidden.shape[1])
+                        or write_rows(integers, hidden, *rest))
+    stored = HiddenStore(store).sequence(1)["input_ids"].tolist()
+    ids = (stored * (200 // len(stored) + 1))[:200]
+    _, features = target.forward(ids, target.new_cache(len(ids)))
+    k = 4
+    for n in (30, 70, 150):  # one chunk, two (the last padded), three
+        widths.clear()
+        proposer = drafting.DrafterProposer(drafter, static=True)
+        proposer.reset(256)
+        drafts, logits = proposer.chain(ids[:n + 1], features[:n], k)
+        assert widths == [drafting.PROMPT_CHUNK] * -(-(n - k - 1) // drafting.PROMPT_CHUNK)
+        expected_drafts, expected_logits = vllm_style_chain(drafter, ids[:n + 1], features[:n], k)
+        assert drafts.tolist() == expected_drafts
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        # the next verify step's rows (3 accepted + bonus) still draft as vLLM does: the padding was overwritten
+        drafts, _ = proposer.chain(ids[:n + 5], features[:n + 4], k)
+        assert drafts.tolist() == vllm_style_chain(drafter, ids[:n + 5], features[:n + 4], k)[0]
+
+
+@torch.inference_mode()
 def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained):
     """On a GPU the captured chain records `fused(chain_drafts)` (inductor's kernels); here the same compiled
     function runs on the CPU against the eager one, from a fresh static cache each time."""

@@ -136,6 +136,13 @@ def chain_drafts(drafter: Drafter, integers: torch.Tensor, hidden: torch.Tensor,
     return chain_steps(drafter, ids, hidden, positions, last, cache, k)[:2]
 
 
+def write_rows(integers: torch.Tensor, hidden: torch.Tensor, drafter: Drafter, cache: StaticKV) -> tuple[()]:
+    """Real rows from packed integer inputs into a static `cache`, without drafting (a prompt's rows)."""
+    ids, positions, _ = split_rows(integers, hidden.shape[1])
+    drafter.decode(ids, hidden, positions, cache)
+    return ()
+
+
 class CapturedChain:
     """`chain_drafts` for a StaticKV cache with k+1 real rows, replayed from CUDA graphs recorded on first use
     (one per k and cache); `fuse`: of its inductor-compiled kernels."""

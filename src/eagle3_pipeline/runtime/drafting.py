@@ -13,8 +13,18 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import serving_dir as serving_format
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.draft_graph import CapturedChain, chain_steps, split_rows
+from eagle3_pipeline.runtime.draft_graph import (
+    CapturedCalls,
+    CapturedChain,
+    cache_key,
+    chain_steps,
+    split_rows,
+    write_rows,
+)
 from eagle3_pipeline.runtime.kv_cache import static_size
+
+# rows of a prompt written into a drafter's static cache per forward (the target prefills in chunks as wide)
+PROMPT_CHUNK = 64
 
 
 class DrafterProposer:
@@ -24,7 +34,8 @@ class DrafterProposer:
     chain sees one shape per k. `compiled` (CUDA): that chain is recorded once as a CUDA graph and replayed
     (draft_graph.CapturedChain; `fuse`: of its inductor-compiled kernels). Padding rows sit beyond the last real
     position, where the chain and the next step overwrite them. Static caches are kept per power-of-two size, and
-    a sequence takes the smallest that holds it (attention reads every slot), as the target's do."""
+    a sequence takes the smallest that holds it (attention reads every slot), as the target's do. A prompt's rows
+    go in chunks of PROMPT_CHUNK rows, the last one padded: one shape whatever the prompt's length."""
 
     def __init__(self, drafter: Drafter, static: bool = False, compiled: bool = False, log: Any = None,
                  fuse: bool = True):
@@ -36,6 +47,8 @@ class DrafterProposer:
         self.static_caches: dict[int, StaticKV] = {}  # by size (slots)
         self.captured = (CapturedChain(drafter, fuse, log) if compiled and self.device.type == "cuda"
                          else None)
+        # a prompt's rows, PROMPT_CHUNK at a time: the eager kernels recorded (no compilation to wait for)
+        self.captured_writes = CapturedCalls(write_rows, log=log) if self.captured is not None else None
         self.device_steps: Any = None  # pipelined.VerifiedSteps: the device-resident chain's recorded step
         if compiled and self.captured is None and log is not None:
             log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
@@ -85,27 +98,50 @@ class DrafterProposer:
         a prompt is the recorded one too."""
         n = features.shape[0]
         if self.static:
-            self._reserve(n + k)  # the real rows and the chain's
-            if n - self.done > k + 1:
+            prompt = n - self.done > k + 1
+            self._reserve(n + (PROMPT_CHUNK if prompt else k))  # the real rows and the chain's, or a padded chunk's
+            if prompt:
                 self._write(context, features, n - (k + 1))
         new = n - self.done
-        width = k + 1 if self.static else new
-        tokens = context[self.done + 1: n + 1]
-        packed = tokens + [tokens[-1]] * (width - new) + list(range(self.done, self.done + width)) + [new - 1]
-        integers = torch.tensor(packed).to(self.device, non_blocking=True)
-        hidden = features[self.done:n].to(self.device, self.drafter.fc.weight.dtype)
-        if width > new:
-            hidden = torch.cat([hidden, hidden[-1:].expand(width - new, -1)])
+        integers, hidden = self._packed(context, features, new, k + 1 if self.static else new)
         self.done = n
+        return integers, hidden
+
+    def _packed(self, context: list[int], features: torch.Tensor, count: int, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `count` rows after the cached ones, padded to `width` (the last row repeated, at the positions after
+        it): their packed integers (`draft_graph.split_rows`) and features [1, width, 3H]."""
+        tokens = context[self.done + 1: self.done + count + 1]
+        packed = tokens + [tokens[-1]] * (width - count) + list(range(self.done, self.done + width)) + [count - 1]
+        integers = torch.tensor(packed).to(self.device, non_blocking=True)
+        hidden = features[self.done:self.done + count].to(self.device, self.drafter.fc.weight.dtype)
+        if width > count:
+            hidden = torch.cat([hidden, hidden[-1:].expand(width - count, -1)])
         return integers, hidden[None]
 
     def _write(self, context: list[int], features: torch.Tensor, upto: int) -> None:
-        """Real rows up to `upto` into the cache without drafting (one eager forward)."""
-        ids = torch.tensor([context[self.done + 1: upto + 1]], device=self.device)
-        positions = torch.arange(self.done, upto, device=self.device)[None]
-        hidden = features[self.done:upto].to(self.device, self.drafter.fc.weight.dtype)[None]
-        _, _, self.cache = self.drafter.decode(ids, hidden, positions, self.cache)
-        self.done = upto
+        """Real rows up to `upto` into the static cache without drafting, PROMPT_CHUNK rows a forward (the last
+        chunk padded; its padding lies beyond the real rows, where later rows overwrite it). Every prompt has the
+        same shapes: a prompt of a new length pays for no set-up of its own (kernel selection, plans), which an
+        eager forward per prompt length did inside the timed decode; on CUDA the chunk replays a CUDA graph."""
+        while self.done < upto:
+            count = min(PROMPT_CHUNK, upto - self.done)
+            integers, hidden = self._packed(context, features, count, PROMPT_CHUNK)
+            self._write_chunk(integers, hidden)
+            self.done += count
+
+    def _write_chunk(self, integers: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.captured_writes is not None:
+            try:
+                self.captured_writes(cache_key(self.cache), {"integers": integers, "hidden": hidden},
+                                     drafter=self.drafter, cache=self.cache)
+                return
+            except Exception as exc:  # capture unsupported here: write eagerly (rows land at their positions again)
+                if self.log is not None:
+                    self.log.warning("drafter prompt rows CUDA graph failed (%s: %s); writing them eagerly",
+                                     type(exc).__name__, str(exc)[:300])
+                self.captured_writes = None
+        write_rows(integers, hidden, self.drafter, self.cache)
 
     def _reserve(self, rows: int) -> None:
         """A static cache of at least `rows` slots: the sequence's own, or the next size with its rows copied."""

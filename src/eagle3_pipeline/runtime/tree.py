@@ -126,7 +126,7 @@ class TreeDrafter:
                                       setting.num_draft_tokens - 1, log)
                          if compiled and self.rows.keys.device.type == "cuda" else None)
         self.log = log
-        self.proposer = DrafterProposer(drafter, static=True)
+        self.proposer = DrafterProposer(drafter, static=True, compiled=compiled, log=log)  # prompts: its graphs
         self.drafter = self.proposer.drafter
         self.setting = setting
 
