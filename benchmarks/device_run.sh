@@ -14,7 +14,9 @@
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
 #             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run.
 #             The trained drafter's weights come back in parts (drafter-part-*, drafter.sha256) for
-#             bench_decode.py --serving in a later session.
+#             bench_decode.py --serving in a later session. GPU_TESTS=1: the CUDA-only test modules, each in a
+#             pytest process of its own (a CUDA fault in one would break the other's context), beside the data
+#             stage of the first call; their output in the bundle under logs/gpu-tests/.
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
@@ -131,6 +133,12 @@ case $stage in
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
   single)
+    if [ "${GPU_TESTS:-0}" = 1 ] && [ ! -e logs/gpu-tests ]; then
+      mkdir -p logs/gpu-tests
+      (for module in test_pipelined test_tree_graph; do
+         python3 -m pytest -q -p no:cacheprovider "tests/unit/$module.py" > "logs/gpu-tests/$module.txt" 2>&1
+       done) &
+    fi
     snakemake_for "${second[@]}"
     "${cmd[@]}" --unlock >/dev/null 2>&1
     "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
