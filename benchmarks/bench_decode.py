@@ -2,12 +2,14 @@
 graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain's cost per verify step.
 
     python benchmarks/bench_decode.py --target smollm2-gguf [--prompts 10] [--max-new 128] [--tau 1.715]
-        [--modes eager compiled long-cache] [--long-cache 4096] [--profile]
+        [--modes eager compiled long-cache] [--loops host device] [--long-cache 4096] [--profile]
 
 `compiled` times the host loops (a host read after every step), then the device-resident loops (pipelined.py, the
-timing pass's) on the same runtime. `long-cache`: the compiled runtime with every sequence in one cache of
---long-cache slots (what the timing pass did before caches were sized per sequence): attention reads every slot,
-so the ratio to `compiled` is what a cache sized for the longest prompt costs the others. `--profile`: the kernels
+timing pass's) on the same runtime; `--loops device` times the device loops alone, as the timing pass meets its
+prompts (a host pass first has already decoded them once: every prompt length's first-time costs paid).
+`long-cache`: the compiled runtime with every sequence in one cache of --long-cache slots (what the timing pass did
+before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
+sized for the longest prompt costs the others. `--profile`: the kernels
 of 32 compiled target-only tokens (GPU time vs wall time says whether a step waits on the host or on the device),
 and of the fused drafter chains.
 
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
+    parser.add_argument("--loops", nargs="+", default=["host", "device"], choices=["host", "device"],
+                        help="compiled mode: which decoding loops to time, in this order")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
@@ -219,8 +223,8 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",
              "long-cache": f"compiled, one static cache of {args.long_cache} slots"}[mode]
     rates = {}
-    # compiled: the host loops, then the loops with their state on the device (the timing pass's), same runtime
-    for device_loops in ((False, True) if mode == "compiled" else (decoder.device_loops,)):
+    # compiled: the host loops and/or the loops with their state on the device (the timing pass's), one runtime
+    for device_loops in ([loop == "device" for loop in args.loops] if mode == "compiled" else [decoder.device_loops]):
         decoder.device_loops = device_loops
         result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
                                              args.max_new, False, log)["mtbench"]
