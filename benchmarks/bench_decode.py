@@ -9,9 +9,8 @@ timing pass's) on the same runtime; `--loops device` times the device loops alon
 prompts (a host pass first has already decoded them once: every prompt length's first-time costs paid).
 `long-cache`: the compiled runtime with every sequence in one cache of --long-cache slots (what the timing pass did
 before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
-sized for the longest prompt costs the others. `--profile`: the kernels
-of 32 compiled target-only tokens (GPU time vs wall time says whether a step waits on the host or on the device),
-and of the fused drafter chains.
+sized for the longest prompt costs the others. `--profile`: the kernels of 32 compiled target-only tokens (GPU time
+vs wall time says whether a step waits on the host or on the device), and of the fused drafter chains.
 
 `--serving DIR` times a trained drafter (its speedups are real ones). By default the drafter is untrained (random
 weights, the target's shape and embedding): its acceptance is ~0, so the timing pass's speedup for it means

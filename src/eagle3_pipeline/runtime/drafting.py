@@ -93,9 +93,9 @@ class DrafterProposer:
     def real_rows(self, context: list[int], features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows the drafter has not seen: their ids, positions and the index of the last real one packed in one
         integer tensor (`draft_graph.split_rows`: one host-to-device copy that does not wait for the device), and
-        their features [1,W,3H]. With a static cache they come padded to k + 1, the chain's one
-        shape; more than that (a prompt's) are first written without drafting, eagerly, so that the chain after
-        a prompt is the recorded one too."""
+        their features [1,W,3H]. With a static cache they come padded to k + 1, the chain's one shape; more than
+        that (a prompt's) are first written without drafting (`_write`, in chunks of PROMPT_CHUNK rows), so that the
+        chain after a prompt is the recorded one too."""
         n = features.shape[0]
         if self.static:
             prompt = n - self.done > k + 1
