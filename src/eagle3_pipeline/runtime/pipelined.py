@@ -41,8 +41,9 @@ def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, 
     bonus = predictions.index_select(0, accepted.view(1))
     index = torch.arange(k + 1, device=state.device)
     tokens = torch.where(index < accepted, torch.cat([verified[1:], bonus]), bonus)
-    for length in lengths:
-        length.sub_(k - accepted)
+    # one multi-tensor kernel for every layer's length, not one per layer (a tensor list: a 0-d tensor operand
+    # would be read back to the host, a graph break)
+    torch._foreach_sub_(lengths, [k - accepted] * len(lengths))
     hidden = aux.index_select(0, torch.minimum(index, accepted)).to(drafter.fc.weight.dtype)
     drafts, _, _ = chain_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, k)
     state.copy_(torch.cat([(n + accepted + 1).view(1), bonus, drafts]))
