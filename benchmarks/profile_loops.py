@@ -3,7 +3,7 @@ chain, pipelined.py) under the profiler, kernel by kernel, after the timing pass
 compilation done, every graph recorded).
 
     python benchmarks/profile_loops.py --target smollm2-gguf --serving results/<run>/serving/drafter \
-        [--prompts 4] [--max-new 128] [--dtype bfloat16] [--out DIR]
+        [--prompts 4] [--max-new 128] [--dtype bfloat16] [--out DIR] [--target-attention sdpa]
 
 It prints the timing pass (target-only and chain, as the pipeline runs them), then per method: steps, kernels per
 step, device-busy time per step (kernels and copies), the step's span on the device's timeline (busy + idle) and
@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=Path("profile-loops"))
+    parser.add_argument("--target-attention", default=None,
+                        help="transformers attention implementation of the target (default: the runtime's, grouped "
+                             "matmuls over its static caches; `sdpa` for the comparison)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_loops.py reads device kernels: it needs a GPU")
@@ -105,7 +108,9 @@ def main() -> None:
         tokenizer = loading.load_tokenizer(target_dir)
         model = loading.load_model(target_dir, device="cuda", dtype=dtype)
         drafter = load_served_for(target_dir, args.serving, dtype).to("cuda")
-        decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=True, log=log)
+        decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=True, log=log,
+                                        attention=args.target_attention)
+        print(f"target attention: {decoder.attention}", flush=True)
         # the pipeline's timing pass first: its warm-up compiles and records every graph the loops replay
         results = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
                                               args.max_new, False, log)["mtbench"]

@@ -8,7 +8,8 @@ cache is one way of running the drafter, fixed when the cache is made (nothing i
   `flex_ttt_attention` (one fused flex_attention kernel: GPU); `choose_ttt_attention` picks one.
 - `DecodeKV`, what a server runs: new rows attend to every cached row and causally to each other. Attending
   returns a new cache and leaves the old one valid, so speculative chain rows are dropped by keeping it.
-- `StaticKV`: the same in a fixed-capacity cache updated in place (compiled CUDA-graph decoding).
+- `StaticKV`: the same in a fixed-capacity cache updated in place (compiled CUDA-graph decoding), attended by
+  `grouped_attention` (matmuls over the un-repeated cache, no SDPA kernel choice).
 
 Keys and values are kept un-repeated, [B, kv_heads, T, d]; grouped-query heads are repeated where attending.
 Right-padded rows need no padding mask anywhere: a real query only sees earlier positions.
@@ -37,6 +38,31 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[B, kv_heads, T, d] -> [B, heads, T, d]: each key/value head serves heads / kv_heads query heads."""
     groups = heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None = None) -> torch.Tensor:
+    """q [B, heads, T, d] against un-repeated k/v [B, kv_heads, S, d]; `mask` broadcastable to [B, 1, T, S], bool
+    (True: visible) or additive float -> [B, heads, T, d]. Two matmuls and one softmax, the query heads of each
+    key/value head stacked as rows, for decoding over a static cache: SDPA repeats every key and value head over
+    the whole cache first, and on an H200 sends a few-query verify to cuDNN's prefill kernel (a memset, ~5 us of
+    launch gap and 10 us per call - docs/RESULTS.md, twelfth session). Scores and softmax in float32 at least."""
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    rows = q.reshape(batch, kv_heads, groups * length, dim)  # query head h = kv head h // groups, as repeat_kv
+    scores = rows @ k.transpose(-1, -2)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul(scale)
+    scores = scores.view(batch, kv_heads, groups, length, -1)
+    if mask is not None:
+        mask = mask[:, :, None] if mask.dim() == 4 else mask  # [B, 1, 1, T, S] against [B, kv, groups, T, S]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.to(scores.dtype)
+    weights = scores.softmax(-1).to(v.dtype).view(batch, kv_heads, groups * length, -1)
+    return (weights @ v).view(batch, heads, length, dim)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -182,10 +208,7 @@ class StaticKV:
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
         mask = torch.arange(self.capacity, device=q.device)[None, :] <= slots[:, None]
-        heads = q.shape[1]
-        out = F.scaled_dot_product_attention(q, repeat_kv(self.keys, heads), repeat_kv(self.values, heads),
-                                             attn_mask=mask)
-        return out, self
+        return grouped_attention(q, self.keys, self.values, mask), self
 
 
 KVCache = TTTKV | DecodeKV | StaticKV

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from eagle3_pipeline.drafter.attention import StaticKV, repeat_kv
+from eagle3_pipeline.drafter.attention import StaticKV, grouped_attention
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, split_rows, to_target
 
@@ -52,10 +51,7 @@ class TreeDepthKV:
         self.rows.values[:, :, self.start:end].copy_(v)
         keys = torch.cat([self.real.keys, self.rows.keys], dim=2)
         values = torch.cat([self.real.values, self.rows.values], dim=2)
-        heads = q.shape[1]
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, heads), repeat_kv(values, heads),
-                                             attn_mask=self.visible)
-        return out, self
+        return grouped_attention(q, keys, values, self.visible), self
 
 
 def tree_steps(drafter: Drafter, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
