@@ -12,7 +12,9 @@
 #             (regeneration and evaluation keep finished work while the machine stays warm).
 #   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
-#             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run.
+#             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run;
+#             PROFILE=1 then (or in the next call) benchmarks/profile_loops.py on the run's drafter ($PROFILE_ARGS,
+#             default 4 prompts), its output in the bundle under logs/profile/.
 #             The trained drafter's weights come back in parts (drafter-part-*, drafter.sha256) for
 #             bench_decode.py --serving in a later session. GPU_TESTS=1: the CUDA-only test modules, each in a
 #             pytest process of its own (a CUDA fault in one would break the other's context), beside the data
@@ -92,6 +94,16 @@ bench_decode() {  # bench_decode SECONDS: bench_decode.py with $BENCH_ARGS into 
   grep -v Warning "$out/bench_decode.txt" | tail -40
 }
 
+profile_loops() {  # profile_loops SECONDS: profile_loops.py on the run's drafter into logs/profile/, once per lease
+  # ($OUT brings back at most 8 files: the profile travels inside the bundle that `keep` writes last)
+  [ -e logs/profile/profile.txt ] && return
+  mkdir -p logs/profile
+  timeout "$1" python3 benchmarks/profile_loops.py --target /opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    --serving "results/$second_name/serving/drafter" --out logs/profile ${PROFILE_ARGS:---prompts 4} \
+    > logs/profile/profile.txt 2>&1
+  grep -v "Warning\|warn\|Converting\|Loading\|Writing" logs/profile/profile.txt | tail -70
+}
+
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
   for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
@@ -146,6 +158,9 @@ case $stage in
     # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
     [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
       && bench_decode $((deadline - SECONDS - 20))
+    # PROFILE=1: where the loops' step time goes (profile_loops.py), alone on the GPU, when the call has time left
+    [ "${PROFILE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 200 ] \
+      && profile_loops $((deadline - SECONDS - 20))
     ;;
   pair)
     two_runs
