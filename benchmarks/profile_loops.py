@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_decode import target_directory  # a sibling script: benchmarks/ is on the path of either
 
 from eagle3_pipeline import assets
 from eagle3_pipeline.prompts import load_prompts
@@ -30,15 +31,7 @@ from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
 from eagle3_pipeline.runtime.pipelined import chain_on_device, greedy_on_device
 from eagle3_pipeline.runtime.speculative import encode_prompts, end_of_sequence
-from eagle3_pipeline.stages import evaluate_timing, target
-
-
-def target_directory(source: str, scratch: Path) -> Path:
-    path = assets.resolve(source)
-    if path.is_dir() and (path / "config.json").exists():
-        return path
-    target.materialise(source, scratch / "target")
-    return scratch / "target"
+from eagle3_pipeline.stages import evaluate_timing
 
 
 def device_kernels(trace_path: Path) -> list[dict]:
