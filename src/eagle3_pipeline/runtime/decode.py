@@ -9,9 +9,7 @@ Two modes:
   longest prompt would make every short one pay for its length, as a server's paged cache does not. Shorter
   inputs are padded to the next compiled width (the padding rows' keys land beyond the sequence, where the
   causal mask hides them until real rows overwrite them), so each width is captured once per size. A prompt
-  goes in chunks of the prefill width (64), the last one padded like a step. Attention over a static cache is
-  `target_attention.static_cache_attention` (grouped matmuls: SDPA's kernel for a few-query verify cost twice
-  the one-token step's on an H200).
+  goes in chunks of the prefill width (64), the last one padded like a step; it attends through target_attention.py.
 Where compilation fails the runtime logs why and continues eagerly.
 """
 
@@ -72,10 +70,7 @@ class TargetRuntime:
                             "decoding eagerly with a dynamic cache")
             static = compiled = False
         self.static = static or compiled
-        # transformers' attention implementation, set before each forward so that another runtime on the same model
-        # keeps its own: by default grouped matmuls over a static cache (target_attention.py), else the model's
-        self.attention = attention or (target_attention.register() if self.static
-                                       else model.config._attn_implementation)
+        self.attention = attention or target_attention.default(model, self.static)  # set before each forward
         self.static_caches: dict[int, Any] = {}  # by size (slots)
         self.smallest_cache = SMALLEST_CACHE  # a benchmark raises it to show what one long cache costs
         # a prompt is prefilled in chunks of this many tokens: a few captured steps instead of an eager forward,
@@ -204,8 +199,7 @@ class TargetRuntime:
     def _run(self, forward: Any, tokens: list[int] | torch.Tensor, cache: Any, **inputs: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
-        if self.model.config._attn_implementation != self.attention:
-            self.model.config._attn_implementation = self.attention
+        target_attention.use(self.model, self.attention)
         output = forward(input_ids=ids, use_cache=True, **inputs, **{self.cache_argument: cache})
         aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
         return output.logits[0], aux

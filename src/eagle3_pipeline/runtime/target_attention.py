@@ -43,3 +43,15 @@ def register() -> str:
     AttentionInterface.register(ATTENTION, static_cache_attention)
     AttentionMaskInterface.register(ATTENTION, eager_mask)
     return ATTENTION
+
+
+def default(model: torch.nn.Module, static: bool) -> str:
+    """A runtime's attention: ATTENTION over static caches, else the implementation the model was loaded with."""
+    return register() if static else model.config._attn_implementation
+
+
+def use(model: torch.nn.Module, attention: str) -> None:
+    """`attention` for the model's next forward. A runtime sets it before each of its forwards, so that runtimes
+    sharing a model (tests; a static runtime beside an eager one) each keep their own."""
+    if model.config._attn_implementation != attention:
+        model.config._attn_implementation = attention
