@@ -34,9 +34,9 @@ from eagle3_pipeline.runtime.speculative import encode_prompts, end_of_sequence
 from eagle3_pipeline.stages import evaluate_timing
 
 
-def device_kernels(trace_path: Path) -> list[dict]:
+def device_kernels(trace: bytes) -> list[dict]:
     """Kernels and memory copies/sets of a Chrome trace, in timeline order: name, start and duration (us)."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
+    events = json.loads(trace)["traceEvents"]
     kept = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     return sorted(({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in kept),
                   key=lambda e: e["ts"])
@@ -69,11 +69,11 @@ def profiled(run, out: Path, name: str) -> tuple[list[dict], object]:
         torch.cuda.synchronize()
     path = out / f"{name}.trace.json"
     prof.export_chrome_trace(str(path))
-    kernels = device_kernels(path)
-    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
-        packed.write(raw.read())
+    trace = path.read_bytes()
     path.unlink()
-    return kernels, result
+    with gzip.open(f"{path}.gz", "wb") as packed:
+        packed.write(trace)
+    return device_kernels(trace), result
 
 
 def main() -> None:

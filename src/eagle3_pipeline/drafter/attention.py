@@ -11,7 +11,8 @@ cache is one way of running the drafter, fixed when the cache is made (nothing i
 - `StaticKV`: the same in a fixed-capacity cache updated in place (compiled CUDA-graph decoding), attended by
   `grouped_attention` (matmuls over the un-repeated cache, no SDPA kernel choice).
 
-Keys and values are kept un-repeated, [B, kv_heads, T, d]; grouped-query heads are repeated where attending.
+Keys and values are kept un-repeated, [B, kv_heads, T, d]; grouped-query heads are repeated where attending
+(`grouped_attention`, the static caches' kernel, stacks each key/value head's query heads instead).
 Right-padded rows need no padding mask anywhere: a real query only sees earlier positions.
 """
 
