@@ -114,9 +114,10 @@ def test_tree_decoding_with_the_compiled_target_and_the_captured_drafter_is_loss
         for seed in range(2):
             ids = prompt(24, seed=seed)
             reference = speculative.greedy(eager, ids, 32, set(), str(seed))
-            trace = tree_speculative(compiled, TreeDrafter(drafter, setting, compiled=True), ids, 32, set(),
-                                     str(seed), setting.method())
+            captured = TreeDrafter(drafter, setting, compiled=True)
+            trace = tree_speculative(compiled, captured, ids, 32, set(), str(seed), setting.method())
             speculative.check_lossless(trace, reference)
+            assert captured.captured is not None  # a failed capture falls back to eager drafting: not tested then
             plain = tree_speculative(eager, TreeDrafter(drafter, setting), ids, 32, set(), str(seed), "eager")
             assert trace.accepted == plain.accepted
     assert compiled.compiled and not compiled.tree_step_failed

@@ -52,6 +52,17 @@ def cache_key(cache: StaticKV) -> tuple[int, int]:
     return cache.keys.data_ptr(), cache.capacity
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces (around every capture, as inductor's CUDA-graph trees do). A
+    workspace first allocated inside a capture lives in that graph's private pool, but cuBLAS keeps using it for
+    later work on the stream: once the graph is freed (and `torch.cuda.graph` empties the cache before the next
+    capture) the next GEMM on that stream writes to unmapped memory - the illegal address the tree GPU test met
+    after an earlier test's captured trees were freed. Cleared, each graph owns the workspace it recorded."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private API: absent on CPU builds
+    if clear is not None:
+        clear()
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -105,8 +116,12 @@ class CapturedCalls:
     @staticmethod
     def _capture(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = steps(**inputs, **fixed)
+        clear_cublas_workspaces()
+        try:
+            with torch.cuda.graph(graph):
+                outputs = steps(**inputs, **fixed)
+        finally:
+            clear_cublas_workspaces()
         return _Graph(graph, inputs, outputs)
 
     @staticmethod
