@@ -417,6 +417,12 @@ def test_offline_acceptance_counts_the_leading_matching_drafts():
     for k in range(1, steps + 1):
         assert math.isclose(result.tau[k - 1], 1 + sum(min(a, k) for a in expected) / len(expected), rel_tol=1e-6)
     assert result.tau[0] > 1.0  # the planted matches are found
+    # the greedy tokens of a batch index: computed on first use, read after (the held-out batches every epoch)
+    kept: dict[int, torch.Tensor] = {}
+    assert offline_acceptance.estimate(model, lm_head, [batch], steps, torch.device("cpu"), greedy=kept) == result
+    assert torch.equal(kept[0], greedy[None])
+    kept[0] = torch.full_like(kept[0], 98)  # no draft is 98: a read cache matches nothing
+    assert offline_acceptance.estimate(model, lm_head, [batch], steps, torch.device("cpu"), greedy=kept).tau[0] == 1.0
 
 
 def test_heldout_estimate_every_epoch_keeps_the_best_weights_and_resumes(tiny_run, tmp_path):

@@ -39,10 +39,13 @@ class Estimate:
 @torch.no_grad()
 def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int,
                      attention: TTTKernel = explicit_ttt_attention) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps])."""
+    """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps]). The target's
+    greedy tokens come from `batch["greedy"]` where the caller has them, else from the final states."""
     ids, valid = batch["input_ids"], batch["valid"]
     batch_size, length = ids.shape
-    greedy = target_argmax(batch["last"], lm_head)  # the target's next token at every t (softcap: same argmax)
+    greedy = batch.get("greedy")  # the target's next token at every t (softcap: same argmax)
+    if greedy is None:
+        greedy = target_argmax(batch["last"], lm_head)
     positions = torch.arange(length, device=ids.device).expand(batch_size, length)
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)
@@ -61,15 +64,21 @@ def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, tor
 
 
 def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]], steps: int,
-             device: torch.device, attention: TTTKernel = explicit_ttt_attention) -> Estimate:
+             device: torch.device, attention: TTTKernel = explicit_ttt_attention,
+             greedy: dict[int, torch.Tensor] | None = None) -> Estimate:
     """Acceptance over every held-out batch (the model is put in eval mode and left there); `attention` is the
-    TTT kernel (training passes its own)."""
+    TTT kernel (training passes its own). `greedy`: the target's greedy tokens by batch index, filled on first use
+    and read after (the same batches every epoch: their full-vocabulary argmax is computed once)."""
     model.eval()
     histogram = np.zeros(steps + 1)
     per_step = np.zeros(steps)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    for batch in batches:
+    for index, batch in enumerate(batches):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if greedy is not None:
+            if index not in greedy:
+                greedy[index] = target_argmax(batch["last"], lm_head)
+            batch["greedy"] = greedy[index]
         with autocast:
             accepted, matched = accepted_lengths(model, lm_head, batch, steps, attention)
         histogram += np.bincount(accepted.cpu().numpy(), minlength=steps + 1)

@@ -33,6 +33,7 @@ class HeldoutSelection:
         self.schedule = BatchSchedule(paths, replace(settings, epochs=1))
         self.settings, self.lm_head, self.device = settings, lm_head, device
         self.attention = attention  # the training's TTT kernel: the estimate unrolls the drafter the same way
+        self.greedy: dict[int, torch.Tensor] = {}  # the target's greedy tokens per batch: one argmax for all epochs
         self.csv, self.best_path = state_dir / metrics.HELDOUT_FILE, state_dir / drafter_weights.BEST_WEIGHTS_FILE
         metrics.truncate(self.csv, start)
         self.best_step, self.best_tau = self._read_best(start)
@@ -50,7 +51,7 @@ class HeldoutSelection:
         tick = time.perf_counter()
         batches = (self.schedule[i] for i in range(len(self.schedule)))
         result = offline_acceptance.estimate(model, self.lm_head, batches, self.settings.ttt_steps, self.device,
-                                             self.attention)
+                                             self.attention, self.greedy)
         k = min(self.settings.heldout_select_k, len(result.tau))
         tau = result.tau[k - 1]
         metrics.append_row(self.csv, {"step": step, "epoch": epoch} | result.row())
