@@ -47,6 +47,19 @@ def test_a_static_runtime_attends_with_grouped_matmuls_and_leaves_a_shared_model
     assert model.config._attn_implementation == "sdpa" and torch.allclose(asked_logits, static_logits, atol=1e-9)
 
 
+def test_a_prefill_asks_the_eager_runtime_for_the_last_rows_logits_alone():
+    """A prefill reads only the last row's logits: eagerly the LM head runs on that row (one row of [n, V]); the aux
+    features are every row's, and the cache holds the prompt either way."""
+    model = tiny_llama(layers=2, hidden=64).double()
+    runtime, ids = TargetRuntime(model, [1, 1, 2]), list(range(3, 40))
+    full_cache, last_cache = runtime.new_cache(len(ids)), runtime.new_cache(len(ids))
+    logits, aux = runtime.forward(ids, full_cache)
+    last_logits, last_aux = runtime.forward(ids, last_cache, last_only=True)
+    assert last_logits.shape == (1, logits.shape[1]) and torch.allclose(last_logits[-1], logits[-1], atol=1e-9)
+    assert torch.equal(last_aux, aux) and last_cache.get_seq_length() == full_cache.get_seq_length() == len(ids)
+    assert torch.allclose(runtime.forward([5], last_cache)[0], runtime.forward([5], full_cache)[0], atol=1e-9)
+
+
 def test_the_static_step_with_grouped_attention_compiles_to_one_graph():
     """What the timing pass compiles on a GPU: the static-cache step, traced without graph breaks."""
     runtime = TargetRuntime(tiny_llama(layers=2, hidden=64), [1, 1, 2], static=True)

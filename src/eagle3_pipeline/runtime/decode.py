@@ -58,7 +58,9 @@ class TargetRuntime:
         self.device = next(model.parameters()).device
         self.log = log
         # transformers renamed `past_key_values` to `cache` (5.2x; the old name goes in 5.40)
-        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}  # prefill: one row's head
         layers = model.get_decoder().layers
         self.captured: dict[int, torch.Tensor] = {}
         self.aux_count = len(aux_layer_ids)
@@ -120,9 +122,8 @@ class TargetRuntime:
             from transformers import StaticCache
 
             self.static_caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
-        cache = self.static_caches[size]
-        cache.reset()
-        return cache
+        self.static_caches[size].reset()
+        return self.static_caches[size]
 
     def cache_size(self, tokens: int) -> int:
         """Slots of the static cache a sequence of at most `tokens` tokens decodes in (every method on a prompt
@@ -130,9 +131,9 @@ class TargetRuntime:
         return static_size(tokens + self.headroom, self.smallest_cache)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.static:
-            return self._run(self.model.forward, tokens, cache)
+    def forward(self, tokens: list[int], cache: Any, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.static:  # last_only (a prefill reads the last row's logits): the LM head runs on that row alone
+            return self._run(self.model.forward, tokens, cache, **(self.last_logits if last_only else {}))
         widest = self.widths[-1]  # a prompt goes in chunks of the prefill width
         if len(tokens) <= widest:
             return self._static_step(tokens, cache)
@@ -196,7 +197,7 @@ class TargetRuntime:
             self.step = None
         return logits, aux, True
 
-    def _run(self, forward: Any, tokens: list[int] | torch.Tensor, cache: Any, **inputs: torch.Tensor
+    def _run(self, forward: Any, tokens: list[int] | torch.Tensor, cache: Any, **inputs: Any
              ) -> tuple[torch.Tensor, torch.Tensor]:
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
         target_attention.use(self.model, self.attention)
@@ -275,9 +276,7 @@ class TargetRuntime:
     @torch.inference_mode()
     def crop(self, cache: Any, keep: int) -> None:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
-        extra = int(cache.get_seq_length()) - keep
-        if extra > 0:
-            remove_last_rows(cache, extra)
+        self.forget(cache, int(cache.get_seq_length()) - keep)
 
 
 def steps_without_cuda_graphs() -> int:

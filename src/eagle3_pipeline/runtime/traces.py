@@ -48,7 +48,7 @@ def prefill(target: Any, prompt_ids: list[int], max_new: int, trace: Trace) -> t
     """The prompt through the target (a TargetRuntime) into a fresh KV cache for it and `max_new` tokens: the
     cache, the prompt's aux features and the context ending in the target's first token (also the trace's first)."""
     cache = target.new_cache(len(prompt_ids) + max_new)
-    logits, features = target.forward(prompt_ids, cache)
+    logits, features = target.forward(prompt_ids, cache, last_only=True)
     context = list(prompt_ids) + [int(logits[-1].argmax())]
     trace.tokens.append(context[-1])
     return cache, features, context
