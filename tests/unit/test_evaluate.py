@@ -33,6 +33,11 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
     assert speed["prompt_draft_ms_per_prompt"] == pytest.approx(80.0)
 
 
+def test_worker_processes_take_each_prompt_exactly_once(tmp_path):
+    first, second = evaluate.claimer(tmp_path), evaluate.claimer(tmp_path)  # two workers sharing one directory
+    assert [first(0), second(0), second(1), first(1), second(2)] == [True, False, True, False, True]
+
+
 def test_prompt_lookup_copies_what_followed_the_last_match():
     propose = prompt_lookup(max_ngram=3)
     context = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]

@@ -173,17 +173,21 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[str, lis
 
 def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], drafters: dict[str, Drafter],
                ks: list[int], max_new: int, log: Any, on_prompt: Callable[[dict[str, Trace]], None],
-               strict: bool = True, trees: tuple[TreeSetting, ...] = ()) -> None:
+               strict: bool = True, trees: tuple[TreeSetting, ...] = (),
+               claim: Callable[[int], bool] | None = None) -> None:
     """Every method on every prompt; `on_prompt` gets each prompt's traces by method ("target", "eagle3@k=4",
     ...) as soon as the prompt is done. With `strict` (fp32), lossless is checked here; in low precision
-    divergence is counted afterwards (`divergence`).
+    divergence is counted afterwards (`divergence`). `claim(i)`: whether this process decodes prompt i (worker
+    processes sharing the prompts); None: all of them.
 
     Prompts are the outer loop: all methods run on one prompt back to back, so every method is timed under
     the same load (a shared GPU or host speeds up and slows down over a run; ratios stay fair)."""
     eos = end_of_sequence(tokenizer)
     methods = prepared_methods(target, drafters, ks, log, trees)
     progress = Progress(log, "prompts (all methods)", len(prompts))
-    for pid, ids in encode_prompts(tokenizer, prompts):
+    for index, (pid, ids) in enumerate(encode_prompts(tokenizer, prompts)):
+        if claim is not None and not claim(index):
+            continue
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
         on_prompt(finished)
         progress.update(1, len(finished["target"].tokens))

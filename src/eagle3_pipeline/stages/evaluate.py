@@ -119,16 +119,30 @@ def worker_main(job_path: Path) -> None:
     prompts = [Prompt(**p) for p in job["prompts"]]
     progress = PromptProgress(Path(job["progress_dir"]), job["fingerprint"], log)
     _decode(Path(job["target_dir"]), Path(job["serving_dir"]), prompts, Settings.from_json(job["settings"]),
-            progress, log)
+            progress, log, claimer(Path(job["claims"])))
+
+
+def claimer(directory: Path) -> Callable[[int], bool]:
+    """Workers share one list of prompts and take them as they come free: prompt i is decoded by the worker that
+    creates `directory/i` first (O_EXCL: exactly one does). A fixed split could leave a worker idle while the
+    other decodes a long prompt (a minute of one core in the CPU default's held-out set)."""
+    def claim(index: int) -> bool:
+        try:
+            os.close(os.open(directory / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+    return claim
 
 
 def _decode(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: Settings,
-            progress: PromptProgress, log: Any) -> None:
+            progress: PromptProgress, log: Any, claim: Callable[[int], bool] | None = None) -> None:
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings.device, settings.dtype,
                                               settings.untrained_baseline, settings.compile,
                                               settings.trust_remote_code, log)
     decode_all(target, tokenizer, prompts, drafters, list(settings.draft_lengths), settings.max_new_tokens, log,
-               on_prompt=progress.appender(prompts), strict=settings.dtype == "float32", trees=settings.trees)
+               on_prompt=progress.appender(prompts), strict=settings.dtype == "float32", trees=settings.trees,
+               claim=claim)
 
 
 def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> None:
@@ -139,9 +153,11 @@ def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> No
 
     with tempfile.TemporaryDirectory(prefix="evaluate-") as scratch:
         running = []
+        (Path(scratch) / "claims").mkdir()  # this run's claims: prompts a killed run claimed are decoded again
         for i in range(workers):
             job_path = Path(scratch) / f"job{i}.json"
-            jobs.write(job_path, json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts[i::workers]],
+            jobs.write(job_path, json.dumps({**job, "index": i, "prompts": [asdict(p) for p in prompts],
+                                            "claims": str(Path(scratch) / "claims"),
                                             "threads": max(1, torch.get_num_threads() // workers)}))
             running.append(subprocess.Popen([sys.executable, "-m", "eagle3_pipeline.stages.evaluate", str(job_path)]))
         failed = [i for i, process in enumerate(running) if process.wait() != 0]
@@ -152,7 +168,7 @@ def _run_workers(job: dict[str, Any], prompts: list[Prompt], workers: int) -> No
 
 def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings: Settings, log_path: str,
             log: Any, progress_dir: Path) -> dict[str, Any]:
-    """Evaluate; with `settings.workers > 1`, prompts are split over that many processes sharing the device.
+    """Evaluate; with `settings.workers > 1`, that many processes sharing the device take the prompts in turn.
 
     Decoding a small target is bound by Python and kernel launches, not by the GPU, so workers scale almost
     linearly; each worker times every method on its own prompts under the same load, so ratios stay fair.
