@@ -59,8 +59,8 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
         assert dataclasses.is_dataclass(settings)
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(settings, dataclasses.fields(settings)[0].name, None)
-    assert built[7].max_seq_len == config["data"]["max_seq_len"] == 512
-    assert built[6].max_context_tokens == 512  # regenerate.max_context_tokens: null follows data.max_seq_len
+    data_len = config["data"]["max_seq_len"]  # train.max_seq_len and regenerate.max_context_tokens: null follows it
+    assert built[7].max_seq_len == data_len and built[6].max_context_tokens == data_len
     assert built[10].prompts == config["evaluate"]["timing"]["prompts"]
 
 
