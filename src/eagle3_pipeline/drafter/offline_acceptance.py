@@ -37,15 +37,12 @@ class Estimate:
 
 
 @torch.no_grad()
-def accepted_lengths(model: Drafter, lm_head: torch.Tensor, batch: dict[str, torch.Tensor], steps: int,
+def accepted_lengths(model: Drafter, batch: dict[str, torch.Tensor], greedy: torch.Tensor, steps: int,
                      attention: TTTKernel = explicit_ttt_attention) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps]). The target's
-    greedy tokens come from `batch["greedy"]` where the caller has them, else from the final states."""
+    """(accepted chain length per draft opportunity [n], per-step matches summed over them [steps]); `greedy`:
+    the target's next token at every t of the batch."""
     ids, valid = batch["input_ids"], batch["valid"]
     batch_size, length = ids.shape
-    greedy = batch.get("greedy")  # the target's next token at every t (softcap: same argmax)
-    if greedy is None:
-        greedy = target_argmax(batch["last"], lm_head)
     positions = torch.arange(length, device=ids.device).expand(batch_size, length)
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)
@@ -75,12 +72,14 @@ def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for index, batch in enumerate(batches):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        if greedy is not None:
-            if index not in greedy:
-                greedy[index] = target_argmax(batch["last"], lm_head)
-            batch["greedy"] = greedy[index]
+        if greedy is None or index not in greedy:  # softcap: the same argmax
+            tokens = target_argmax(batch["last"], lm_head)
+            if greedy is not None:
+                greedy[index] = tokens
+        else:
+            tokens = greedy[index]
         with autocast:
-            accepted, matched = accepted_lengths(model, lm_head, batch, steps, attention)
+            accepted, matched = accepted_lengths(model, batch, tokens, steps, attention)
         histogram += np.bincount(accepted.cpu().numpy(), minlength=steps + 1)
         per_step += matched.cpu().numpy()
     total = histogram.sum()

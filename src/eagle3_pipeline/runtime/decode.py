@@ -122,8 +122,9 @@ class TargetRuntime:
             from transformers import StaticCache
 
             self.static_caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
-        self.static_caches[size].reset()
-        return self.static_caches[size]
+        cache = self.static_caches[size]
+        cache.reset()
+        return cache
 
     def cache_size(self, tokens: int) -> int:
         """Slots of the static cache a sequence of at most `tokens` tokens decodes in (every method on a prompt
