@@ -187,6 +187,7 @@ def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], dra
     progress = Progress(log, "prompts (all methods)", len(prompts))
     for index, (pid, ids) in enumerate(encode_prompts(tokenizer, prompts)):
         if claim is not None and not claim(index):
+            progress.update(1)  # another worker's: the shared list moves on, so this log's share and ETA stay true
             continue
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
         on_prompt(finished)
