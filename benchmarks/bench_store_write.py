@@ -24,8 +24,8 @@ from eagle3_pipeline.formats import hidden_store, zarr_io
 def activations(tokens: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     values = torch.from_numpy(rng.standard_normal((tokens, 4 * hidden), dtype=np.float32)).bfloat16()
-    return (hidden_store.bf16_to_u16(values[:, : 3 * hidden].reshape(tokens, 3, hidden)),
-            hidden_store.bf16_to_u16(values[:, 3 * hidden:]))
+    return (zarr_io.bf16_to_u16(values[:, : 3 * hidden].reshape(tokens, 3, hidden)),
+            zarr_io.bf16_to_u16(values[:, 3 * hidden:]))
 
 
 def zarr_baseline(workdir: Path, aux: np.ndarray, last: np.ndarray) -> float:
@@ -52,7 +52,7 @@ def ours(workdir: Path, aux: np.ndarray, last: np.ndarray, threads: int) -> floa
     writer = hidden_store.StoreWriter(out, tokens, hidden, {"num_sequences": 1}, sequences, writer_threads=threads)
     start = time.perf_counter()
     for row in range(0, tokens, 2048):  # batches arrive as extraction produces them
-        writer.append(aux[row: row + 2048], last[row: row + 2048])
+        writer.append({"aux_hidden_states": aux[row: row + 2048], "last_hidden_states": last[row: row + 2048]})
     writer.finish({})
     elapsed = time.perf_counter() - start
     hidden_store.validate(out)

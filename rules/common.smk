@@ -115,6 +115,7 @@ def current_plan():
         Path(config["results_dir"]),
         fixed,
         warnings,
+        config["extract"]["store_dtype"],
     )
 
 

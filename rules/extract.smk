@@ -54,6 +54,7 @@ rule disk_report:
         DISK_REPORT,
     params:
         compression=config["plan"]["expected_compression"],
+        store_dtype=config["extract"]["store_dtype"],
     conda:
         "../envs/pipeline.yaml"
     log:

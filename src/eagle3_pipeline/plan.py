@@ -59,14 +59,17 @@ class StagePlan:
         return "exact" if kinds == {True} else "estimate" if kinds == {False} else "exact+estimate"
 
 
-def hidden_bytes_per_token(hidden_size: int, compression: float) -> tuple[float, float]:
+def hidden_bytes_per_token(hidden_size: int, compression: float | None,
+                           store_dtype: str = "bfloat16") -> tuple[float, float]:
     """(raw, expected on disk) bytes per token of a hidden-state store: its row size (formats/hidden_store:
-    4 bf16 vectors + id + mask), and on disk the hidden arrays compressed plus each chunk's crc32c."""
-    from eagle3_pipeline.formats import hidden_store
+    4 state vectors in the store dtype, their scales if any, id + mask), and on disk the hidden arrays
+    compressed (by `compression`, or when None by the ratio measured for the store dtype) plus each chunk's
+    crc32c."""
+    from eagle3_pipeline.formats.hidden_store import TOKEN_ROW_BYTES, checksum_bytes_per_row, rows
 
-    hidden, tokens = hidden_store.hidden_row_bytes(hidden_size), hidden_store.TOKEN_ROW_BYTES
-    raw = hidden + tokens
-    return raw, hidden / compression + tokens / 2 + hidden_store.checksum_bytes_per_row(hidden_size)
+    hidden, tokens = rows.raw_row_bytes(store_dtype, hidden_size), TOKEN_ROW_BYTES
+    ratio = compression or rows.EXPECTED_COMPRESSION[store_dtype]
+    return hidden + tokens, hidden / ratio + tokens / 2 + checksum_bytes_per_row(hidden_size, store_dtype)
 
 
 def human_bytes(count: float) -> str:
@@ -207,8 +210,9 @@ class DiskPlan:
 
 
 def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], data: dict[str, Any],
-          hidden_size: int | None, compression: float, results_dir: Path,
-          fixed: list[FixedStage] | None = None, warnings: list[str] | None = None) -> DiskPlan:
+          hidden_size: int | None, compression: float | None, results_dir: Path,
+          fixed: list[FixedStage] | None = None, warnings: list[str] | None = None,
+          store_dtype: str = "bfloat16") -> DiskPlan:
     from eagle3_pipeline.formats.token_shards import BYTES_PER_TOKEN
 
     counts = shard_token_counts(shard_names, paths["token_shard"], paths["conversation_shard"], inputs, data)
@@ -217,7 +221,7 @@ def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], dat
                         for c in counts])
     stages = [tokens]
     if hidden_size:
-        raw, expected = hidden_bytes_per_token(hidden_size, compression)
+        raw, expected = hidden_bytes_per_token(hidden_size, compression, store_dtype)
         stages.append(StagePlan("hidden", raw, expected,
                                 [ShardPlan(c.name, c.tokens, c.exact,
                                            Path(paths["hidden_store"].format(shard=c.name)).exists())

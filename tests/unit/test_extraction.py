@@ -90,7 +90,7 @@ def test_store_round_trip_is_bit_exact(tmp_path):
     writer = hidden_store.StoreWriter(out, tokens, hidden, {"num_sequences": len(lengths)}, sequences,
                                       writer_threads=3, shard_bytes=8 << 10)
     for start, end in [(0, 5), (5, 200), (200, 201), (201, tokens)]:  # uneven appends
-        writer.append(hidden_store.bf16_to_u16(aux[start:end]), hidden_store.bf16_to_u16(last[start:end]))
+        writer.append(hidden_store.encode(aux[start:end], last[start:end], "bfloat16"))
     writer.finish({})
     store = hidden_store.HiddenStore(out)
     assert store.attrs["rows_per_shard"] < tokens
@@ -151,7 +151,7 @@ def random_store(out, tokens: int = 5000, hidden: int = 512, shard_bytes: int = 
     writer = hidden_store.StoreWriter(out, tokens, hidden, {"num_sequences": len(offsets) - 1}, sequences,
                                       shard_bytes=shard_bytes)
     values = torch.from_numpy(rng.standard_normal((tokens, 4, hidden), dtype=np.float32))
-    writer.append(hidden_store.bf16_to_u16(values[:, :3]), hidden_store.bf16_to_u16(values[:, 3]))
+    writer.append(hidden_store.encode(values[:, :3], values[:, 3], "bfloat16"))
     writer.finish({})
     attrs = hidden_store.validate(out)
     assert attrs["rows_per_shard"] // attrs["chunk_rows"] > 1 and attrs["rows_per_shard"] < tokens
@@ -264,7 +264,7 @@ def test_direct_shard_bytes_equal_zarr(tmp_path):
     assert layout.rows_per_shard >= 4 * layout.chunk_rows
     rows = 2 * layout.rows_per_shard + layout.chunk_rows + 5  # a short last shard with a partial chunk
     rng = np.random.default_rng(0)
-    data = hidden_store.bf16_to_u16(torch.from_numpy(rng.standard_normal((rows, 3, 32), dtype=np.float32)))
+    data = zarr_io.bf16_to_u16(torch.from_numpy(rng.standard_normal((rows, 3, 32), dtype=np.float32)))
     data[layout.chunk_rows: 2 * layout.chunk_rows] = 0  # an all-fill chunk is left out, as zarr does
     arrays = {}
     for name in ("by_zarr", "direct"):

@@ -100,7 +100,7 @@ def test_hidden_store_round_trip_and_a_missing_shard_file(tmp_path):
     path = tmp_path / "shard-00000.zarr"
     writer = hidden_store.StoreWriter(path, tokens, hidden, {"num_sequences": 2, "aux_layer_ids": [1, 2, 3]},
                                       sequences, writer_threads=2, shard_bytes=4 << 10)
-    writer.append(hidden_store.bf16_to_u16(aux), hidden_store.bf16_to_u16(last))
+    writer.append(hidden_store.encode(aux, last, "bfloat16"))
     writer.finish({})
     store = hidden_store.HiddenStore(path)
     second = store.sequence(1)

@@ -53,7 +53,7 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
         export.Settings.from_config(config["export"]),
         evaluate.Settings.from_config(config["evaluate"], trust_remote_code=False),
         evaluate_timing.Settings.from_config(config["evaluate"], trust_remote_code=False),
-        disk_report.Settings.from_config(config["plan"]),
+        disk_report.Settings.from_config(config["plan"], config["extract"]),
     ]
     for settings in built:
         assert dataclasses.is_dataclass(settings)

@@ -86,24 +86,44 @@ class BatchSchedule(torch.utils.data.Dataset):
         return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
 
 
+# a sequence's arrays (formats/hidden_store) -> the batch's keys; the scales come with fp8 stores only
+BATCH_KEYS = {"aux_hidden_states": "aux", "last_hidden_states": "last",
+              "aux_scales": "aux_scales", "last_scales": "last_scales"}
+
+
 def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_multiple: int = 1
             ) -> dict[str, torch.Tensor]:
     """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
-    cached attention masks are reused across batches."""
+    cached attention masks are reused across batches. aux is [B, W, 3H] (the layers in order, as SGLang
+    concatenates them). The states stay as the store keeps them (fp8 bits and their scales cross to the device
+    at half the bytes): `to_device` decodes them there."""
     lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
     width, batch = padded_width(max(lengths), pad_multiple), len(sequences)
-    hidden = sequences[0]["last_hidden_states"].shape[-1]
-    out = {
-        "input_ids": torch.zeros(batch, width, dtype=torch.long),
-        "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
-        "aux": torch.zeros(batch, width, 3 * hidden, dtype=torch.bfloat16),
-        "last": torch.zeros(batch, width, hidden, dtype=torch.bfloat16),
-        "valid": torch.zeros(batch, width, dtype=torch.bool),
-    }
+    out = {"input_ids": torch.zeros(batch, width, dtype=torch.long),
+           "loss_mask": torch.zeros(batch, width, dtype=torch.bool),
+           "valid": torch.zeros(batch, width, dtype=torch.bool)}
+    arrays = {name: key for name, key in BATCH_KEYS.items() if name in sequences[0]}
+    for name, key in arrays.items():
+        first = sequences[0][name]
+        row_shape = (first[0].numel(),) if key == "aux" else first.shape[1:]  # aux: [3, H] -> [3H]
+        out[key] = torch.zeros(batch, width, *row_shape, dtype=first.dtype)
     for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
         out["input_ids"][row, :n] = seq["input_ids"][:n]
         out["loss_mask"][row, :n] = seq["loss_mask"][:n].bool()
-        out["aux"][row, :n] = seq["aux_hidden_states"][:n].reshape(n, 3 * hidden)  # layer order, like SGLang
-        out["last"][row, :n] = seq["last_hidden_states"][:n]
         out["valid"][row, :n] = True
+        for name, key in arrays.items():
+            out[key][row, :n] = seq[name][:n].reshape(n, *out[key].shape[2:])
     return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A collated batch on the device, its states decoded there to bf16 (fp8 stores) or left as they are."""
+    moved = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    for key in ("aux", "last"):
+        scales = moved.pop(f"{key}_scales", None)
+        if scales is not None:  # aux's 3H values per token carry one scale per layer
+            if key == "aux":
+                moved[key] = hidden_store.decode(moved[key].unflatten(-1, (scales.shape[-1], -1)), scales).flatten(-2)
+            else:
+                moved[key] = hidden_store.decode(moved[key], scales)
+    return moved

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from eagle3_pipeline.drafter.attention import TTTKV, TTTKernel, explicit_ttt_attention
+from eagle3_pipeline.drafter.batches import to_device
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.drafter.objective import shift_left, target_argmax
 
@@ -71,7 +72,7 @@ def estimate(model: Drafter, lm_head: torch.Tensor, batches: Iterable[dict[str, 
     per_step = np.zeros(steps)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for index, batch in enumerate(batches):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         if greedy is None or index not in greedy:  # softcap: the same argmax
             tokens = target_argmax(batch["last"], lm_head)
             if greedy is not None:

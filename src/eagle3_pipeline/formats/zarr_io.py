@@ -28,9 +28,9 @@ def blosc(typesize: int, clevel: int = BLOSC_CLEVEL, cname: str = BLOSC_CNAME, s
                       blocksize=BLOSC_BLOCKSIZE)
 
 
-def chunk_codecs(typesize: int) -> tuple[BloscCodec, Crc32cCodec]:
+def chunk_codecs(typesize: int, shuffle: str = "shuffle") -> tuple[BloscCodec, Crc32cCodec]:
     """The bytes-to-bytes codecs of every numeric array we store: Blosc, then a crc32c of its output."""
-    return blosc(typesize), Crc32cCodec()
+    return blosc(typesize, shuffle=shuffle), Crc32cCodec()
 
 
 CHECKSUM_BYTES = 4  # what the crc32c codec appends to each chunk (and zarr to each shard index)
@@ -44,20 +44,20 @@ def crc32c_bytes(data: bytes) -> bytes:
     return np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
 
 
-def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -> list[bytes]:
+def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int,
+                       codec: BloscCodec | None = None) -> list[bytes]:
     """One zarr v3 `sharding_indexed` shard file for rows [0, len(data)) of a shard, encoded here.
 
     zarr's own write path runs every chunk through one event loop and reaches ~0.25 GB/s whatever the
     number of writer threads; numcodecs releases the GIL, so shards encoded here in threads scale with
     cores. The layout is the one zarr writes for our arrays (inner codecs bytes+blosc+crc32c, i.e. each
     chunk is its Blosc bytes then their crc32c; index of (offset, nbytes) uint64 pairs at the end, then
-    its crc32c): `test_direct_shard_bytes_equal_zarr`.
+    its crc32c): `test_direct_shard_bytes_equal_zarr`. `codec` must be the Blosc codec the array declares
+    in its zarr.json (default: `blosc(typesize=2)`, the bf16 bits' codec).
     A last, short shard pads its final chunk with the fill value (0) and marks absent chunks empty.
     """
-    from numcodecs import Blosc
-
-    # must match chunk_codecs(typesize=2), the codecs the hidden arrays declare in their zarr.json
-    codec = Blosc(cname=BLOSC_CNAME, clevel=BLOSC_CLEVEL, shuffle=Blosc.SHUFFLE, blocksize=BLOSC_BLOCKSIZE)
+    encoder = numcodecs_blosc(codec or blosc(typesize=2))
+    little_endian = data.dtype.newbyteorder("<")
     chunks_per_shard = rows_per_shard // chunk_rows
     index = np.full((chunks_per_shard, 2), EMPTY_CHUNK, dtype="<u8")
     pieces, offset = [], 0
@@ -67,12 +67,21 @@ def encode_whole_shard(data: np.ndarray, chunk_rows: int, rows_per_shard: int) -
             chunk = np.concatenate([chunk, np.zeros((chunk_rows - len(chunk),) + chunk.shape[1:], chunk.dtype)])
         if not chunk.any():
             continue  # zarr leaves all-fill chunks unwritten (write_empty_chunks=False)
-        encoded = codec.encode(np.ascontiguousarray(chunk, dtype="<u2"))
+        encoded = encoder.encode(np.ascontiguousarray(chunk, dtype=little_endian))
         index[c] = (offset, len(encoded) + CHECKSUM_BYTES)
         pieces += [encoded, crc32c_bytes(encoded)]
         offset += len(encoded) + CHECKSUM_BYTES
     index_bytes = index.tobytes()
     return [*pieces, index_bytes, crc32c_bytes(index_bytes)]  # written one after another: no joined copy
+
+
+def numcodecs_blosc(codec: BloscCodec):
+    """numcodecs' Blosc with the parameters of zarr's BloscCodec: the same bytes zarr would write."""
+    from numcodecs import Blosc
+
+    shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
+    return Blosc(cname=codec.cname.value, clevel=codec.clevel, shuffle=shuffle[codec.shuffle.value],
+                 blocksize=codec.blocksize)
 
 
 def stored_chunk_checksums(shard_file: Path, chunks_per_shard: int) -> bytes:
@@ -145,10 +154,10 @@ def open_readonly(path: Path) -> zarr.Group:
     return zarr.open_group(str(path), mode="r")
 
 
-def open_complete(path: Path, expected_format: str, what: str, error: type[Exception], schema_version: int,
-                  job: str) -> tuple[zarr.Group, dict[str, Any]]:
-    """Open a complete store of `expected_format` and `schema_version`, or raise `error` saying why.
-    `job` is the rule that writes it (named in the remedy)."""
+def open_complete(path: Path, expected_format: str, what: str, error: type[Exception],
+                  schema_version: int | tuple[int, ...], job: str) -> tuple[zarr.Group, dict[str, Any]]:
+    """Open a complete store of `expected_format` and a readable `schema_version` (one, or the versions this
+    code still reads), or raise `error` saying why. `job` is the rule that writes it (named in the remedy)."""
     if not Path(path).is_dir():
         raise error(f"{path}: {what} does not exist")
     try:
@@ -159,9 +168,11 @@ def open_complete(path: Path, expected_format: str, what: str, error: type[Excep
     if found.get("format") != expected_format or found.get("complete") is not True:
         raise error(f"{path}: not a complete {what} (format={found.get('format')}, "
                     f"complete={found.get('complete')}); rerun its {job} job")
-    if found.get("schema_version") != schema_version:
-        raise error(f"{path}: {what} of schema version {found.get('schema_version')}, written by an older "
-                    f"pipeline (this one reads version {schema_version}, whose chunks carry checksums); "
+    readable = schema_version if isinstance(schema_version, tuple) else (schema_version,)
+    if found.get("schema_version") not in readable:
+        versions = " or ".join(str(v) for v in readable)
+        raise error(f"{path}: {what} of schema version {found.get('schema_version')}, written by another "
+                    f"pipeline (this one reads version {versions}, whose chunks carry checksums); "
                     f"delete it and rerun its {job} job")
     return group, found
 

@@ -13,27 +13,30 @@ from eagle3_pipeline.formats import reports, token_shards, zarr_io
 
 @dataclass(frozen=True)
 class Settings:
-    expected_compression: float  # what the plan assumed: raw bytes / stored bytes
+    expected_compression: float | None  # what the plan assumed: raw bytes / stored bytes (None: the codec's)
+    store_dtype: str
 
     @classmethod
-    def from_config(cls, plan_section: dict[str, Any]) -> Settings:
-        return cls(expected_compression=plan_section["expected_compression"])
+    def from_config(cls, plan_section: dict[str, Any], extract_section: dict[str, Any]) -> Settings:
+        return cls(expected_compression=plan_section["expected_compression"],
+                   store_dtype=extract_section["store_dtype"])
 
     @classmethod
     def from_params(cls, params: Any) -> Settings:
         """From the rule's params (only what the report depends on: a change reruns it)."""
-        return cls(expected_compression=params.compression)
+        return cls(expected_compression=params.compression, store_dtype=params.store_dtype)
 
 
 def shard_row(store: Path, tokens: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
     attrs = token_shards.validate(tokens)
     hidden_size = zarr_io.attrs(store)["hidden_size"]
-    _, per_token = plan.hidden_bytes_per_token(hidden_size, settings.expected_compression)
+    raw_per_token, per_token = plan.hidden_bytes_per_token(hidden_size, settings.expected_compression,
+                                                           settings.store_dtype)
     planned = int(attrs["num_tokens"] * per_token)
     actual = zarr_io.directory_bytes(store)
     row = {"tokens": attrs["num_tokens"], "planned_bytes": planned, "actual_bytes": actual,
            "actual_over_planned": actual / planned,
-           "raw_bytes": attrs["num_tokens"] * plan.hidden_bytes_per_token(hidden_size, 1)[0]}
+           "raw_bytes": attrs["num_tokens"] * raw_per_token, "store_dtype": settings.store_dtype}
     log.info("%s: planned %s, actual %s (%.3f), %.2fx smaller than raw", store.name,
              plan.human_bytes(planned), plan.human_bytes(actual), actual / planned, row["raw_bytes"] / actual)
     return row

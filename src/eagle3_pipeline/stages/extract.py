@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,13 @@ class Settings:
     store_shard_bytes: int  # raw bytes per zarr shard file (the unit of writing and of resume)
     backend: dict[str, Any]  # the `extract` section as runtime.backends.from_config reads it
     trust_remote_code: bool
+    store_dtype: str  # how the store keeps the states (formats/hidden_store/rows.py)
 
     @classmethod
     def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
         return cls(token_budget=section["token_budget"], writer_threads=section["writer_threads"],
                    store_shard_bytes=section["store_shard_mb"] << 20, backend=dict(section),
-                   trust_remote_code=trust_remote_code)
+                   trust_remote_code=trust_remote_code, store_dtype=section["store_dtype"])
 
 
 @dataclass
@@ -89,7 +92,8 @@ def check_finite(finite: torch.Tensor, batch: Batch, offsets: np.ndarray, sample
 
 def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_budget: int,
                   writer_threads: int, metadata: dict[str, Any], log: logging.Logger,
-                  store_shard_bytes: int = hidden_store.SHARD_BYTES) -> dict[str, Any]:
+                  store_shard_bytes: int = hidden_store.SHARD_BYTES, store_dtype: str = "bfloat16"
+                  ) -> dict[str, Any]:
     shard = token_shards.read(token_shard_path)
     order = storage_order(shard.lengths())
     sequences = reorder(shard, order)
@@ -98,14 +102,16 @@ def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_
     store_metadata = {**metadata, **info.as_attrs(), "num_sequences": len(order),
                       "template_hash": shard.attrs.get("template_hash"), "token_shard": token_shard_path.name}
     writer = hidden_store.StoreWriter(output, num_tokens, info.hidden_size, store_metadata, sequences,
-                                      writer_threads, store_shard_bytes)
+                                      writer_threads, store_shard_bytes, store_dtype)
     batches = plan_batches(np.diff(sequences["seq_offsets"]), token_budget)
     todo = [b for b in batches if b.end_row > writer.rows_written]
     if writer.rows_written:
         log.info("resuming %s: %d of %d rows already written; %d of %d batches left", output,
                  writer.rows_written, num_tokens, len(todo), len(batches))
-    log.info("extracting %d sequences, %d tokens in %d batches (budget %d tokens), backend %s, aux layers %s",
-             len(order), num_tokens, len(batches), token_budget, info.name, list(info.aux_layer_ids))
+    log.info("extracting %d sequences, %d tokens in %d batches (budget %d tokens), backend %s, aux layers %s, "
+             "stored as %s", len(order), num_tokens, len(batches), token_budget, info.name,
+             list(info.aux_layer_ids), store_dtype)
+    encode = functools.partial(hidden_store.encode, store_dtype=store_dtype)
     progress = Progress(log, f"extract {token_shard_path.name}", len(todo),
                         total_tokens=sum(b.end_row - b.start_row for b in todo))
     in_flight = None
@@ -113,7 +119,7 @@ def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_
         for batch in todo:
             ids = [sequences["input_ids"][sequences["seq_offsets"][j]:sequences["seq_offsets"][j + 1]]
                    for j in batch.sequences]
-            result = _launch(backend, ids)
+            result = _launch(backend, ids, encode)
             if in_flight is not None:
                 _drain(in_flight, writer, sequences, token_shard_path, progress)
             in_flight = (batch, result)
@@ -127,22 +133,24 @@ def extract_shard(backend: Backend, token_shard_path: Path, output: Path, token_
     return hidden_store.validate(output)
 
 
-def _launch(backend: Backend, ids: list[np.ndarray]):
+def _launch(backend: Backend, ids: list[np.ndarray], encode: Callable[..., dict[str, torch.Tensor]]
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any]:
+    """The batch's rows as the store keeps them, a per-row finite flag, and an event to wait on (or None)."""
     if hasattr(backend, "extract_packed"):
-        return backend.extract_packed(ids)
+        return backend.extract_packed(ids, encode)  # encoded on the device, copied to the host asynchronously
     states = backend.extract(ids)  # backends without async copies (e.g. SGLang: the states arrive on the host)
     aux, last = torch.cat([s.aux for s in states]), torch.cat([s.last for s in states])
-    return aux, last, finite_rows(aux, last), None
+    return encode(aux, last), finite_rows(aux, last), None
 
 
 def _drain(in_flight, writer: hidden_store.StoreWriter, sequences: dict[str, Any], shard_path: Path,
            progress: Progress) -> None:
-    batch, (aux, last, finite, event) = in_flight
+    batch, (rows, finite, event) = in_flight
     if event is not None:
         event.synchronize()
     check_finite(finite, batch, sequences["seq_offsets"], sequences["sample_ids"], shard_path)
     skip = max(0, writer.buffer_start + writer.buffered - batch.start_row)  # rows already durable (resume)
-    writer.append(hidden_store.bf16_to_u16(aux[skip:]), hidden_store.bf16_to_u16(last[skip:]))
+    writer.append({name: array[skip:] for name, array in rows.items()})
     progress.update(1, batch.end_row - batch.start_row)
 
 
@@ -154,7 +162,7 @@ def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log: l
         {"target_hash": identity["content_hash"], "target_revision": identity["source"].get("revision"),
          "device": str(backend.device)},
         log,
-        store_shard_bytes=settings.store_shard_bytes,
+        store_shard_bytes=settings.store_shard_bytes, store_dtype=settings.store_dtype,
     )
     log.info("store complete: %d sequences, %d tokens", attrs["num_sequences"], attrs["num_tokens"])
     return attrs

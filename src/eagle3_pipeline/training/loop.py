@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3_pipeline.drafter.attention import choose_ttt_attention
-from eagle3_pipeline.drafter.batches import BatchSchedule
+from eagle3_pipeline.drafter.batches import BatchSchedule, to_device
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
 from eagle3_pipeline.families import final_logit_softcap
@@ -192,7 +192,7 @@ def loop(run: TrainingRun, stop_after_step: int | None) -> None:
     model.train()
     for batch in run.loader:
         tokens = int(batch["valid"].sum())
-        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, run.device)
         if settings.feature_noise:
             batch["aux"] = with_feature_noise(batch["aux"], settings.feature_noise)
         with autocast:

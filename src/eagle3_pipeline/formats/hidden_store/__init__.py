@@ -1,26 +1,26 @@
 """The hidden-state store format: `hidden/shard-{i:05d}.zarr` (zarr v3 group), one per token shard.
 
-Token-major and concatenated, in the store's own sequence order (longest first, the order extraction
-runs in, so rows arrive in storage order and every zarr shard is written exactly once):
-    aux_hidden_states  uint16 [N_tok, 3, H]  bf16 bits of the 3 aux layers' outputs
-    last_hidden_states uint16 [N_tok, H]     bf16 bits of the final hidden state AFTER the final norm
+Token-major and concatenated, in the store's own sequence order (longest first, ties by index:
+`storage_order`; the order extraction runs in, so rows arrive in storage order and every zarr shard is
+written exactly once):
+    aux_hidden_states  [N_tok, 3, H]  the 3 aux layers' outputs
+    last_hidden_states [N_tok, H]     the final hidden state AFTER the final norm
     input_ids int32 [N_tok], loss_mask uint8 [N_tok], seq_offsets int64 [N+1], sample_ids string [N]
-zarr has no bf16: `torch.from_numpy(u16).view(torch.bfloat16)` recovers the values for free.
-Attrs: format, schema_version, complete (set last), counts, hidden_size, hidden_dtype, aux_layer_ids
-(HF indices), final_norm, target_hash, target_revision, backend, rows_per_shard, pipeline_version.
-Every chunk of every array ends with a crc32c of its compressed bytes (schema version 2; version 1 had
-none and is refused), so every read verifies it; a bad chunk raises `zarr_io.CorruptChunk` naming it.
-
-Crash safety: the store is built in `<name>.partial`; `progress.json` there records how many rows are
-durably written (whole zarr shards only), so a killed job resumes where it stopped. The store is renamed
-into place after `complete` is set.
+The attr `hidden_dtype` says how the hidden arrays hold the states (`rows.py`): `bfloat16` keeps bf16 bits
+as uint16 (zarr has no bf16; `torch.from_numpy(u16).view(torch.bfloat16)` recovers them for free);
+`float8_e4m3fn` keeps fp8 bits as uint8 beside `aux_scales` float32 [N_tok, 3] and `last_scales` float32
+[N_tok], one scale per row. Attrs: format, schema_version, complete (set last), counts, hidden_size,
+hidden_dtype, aux_layer_ids (HF indices), final_norm, target_hash, target_revision, backend, rows_per_shard,
+pipeline_version. Every chunk of every array ends with a crc32c of its compressed bytes, so every read
+verifies it; a bad chunk raises `zarr_io.CorruptChunk` naming it. Schema versions: 3 adds the store dtype
+(fp8); 2 (bf16 only, the same arrays as a bf16 store of version 3) is still read; 1 had no checksums and is
+refused. Writing: `writer.StoreWriter`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,17 +28,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zarr
 
-from eagle3_pipeline import __version__
-from eagle3_pipeline.formats import atomic, zarr_io
-from eagle3_pipeline.formats.zarr_io import bf16_to_u16, u16_to_bf16  # noqa: F401 (the store's bf16 bits)
+from eagle3_pipeline.formats import zarr_io
+from eagle3_pipeline.formats.hidden_store.rows import STORE_DTYPES, decode, encode, hidden_arrays  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT = "eagle3-hidden-store"
-SCHEMA_VERSION = 2  # 2: a crc32c on every chunk
+SCHEMA_VERSION = 3  # 2: a crc32c on every chunk; 3: the store dtype (bf16 bits, or fp8 with row scales)
+READABLE_VERSIONS = (2, 3)
 PROGRESS_FILE = "progress.json"
-HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
 CHUNK_BYTES = 2 << 20  # ~2 MiB raw per chunk: small enough for random sequence reads
 SHARD_BYTES = 64 << 20  # ~64 MiB raw per zarr shard: a store is tens of files, not millions
 TOKEN_ROW_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8 per token row, before compression
@@ -63,165 +62,34 @@ class Layout:
 
 
 def hidden_row_bytes(hidden_size: int) -> int:
-    return 4 * hidden_size * 2  # one token row of the hidden arrays: aux (3H) + last (H), bf16
+    """One token row of the hidden arrays in bf16, aux (3H) + last (H): what sizes chunks and zarr shards (in
+    rows, the same for every store dtype)."""
+    return 4 * hidden_size * 2
 
 
-def checksum_bytes_per_row(hidden_size: int) -> float:
-    """The crc32c every chunk of the two hidden arrays ends with, spread over the chunk's rows."""
-    return len(HIDDEN_ARRAYS) * zarr_io.CHECKSUM_BYTES / Layout.for_hidden_size(hidden_size).chunk_rows
+def checksum_bytes_per_row(hidden_size: int, store_dtype: str = "bfloat16") -> float:
+    """The crc32c every chunk of the hidden arrays ends with, spread over the chunk's rows."""
+    arrays = len(hidden_arrays(store_dtype, hidden_size))
+    return arrays * zarr_io.CHECKSUM_BYTES / Layout.for_hidden_size(hidden_size).chunk_rows
 
 
-class StoreWriter:
-    """Streams rows (in storage order) into a partial store; writes only whole zarr shards, in parallel."""
-
-    def __init__(self, final: Path, num_tokens: int, hidden_size: int, metadata: dict[str, Any],
-                 sequences: dict[str, np.ndarray | list[str]], writer_threads: int = 4,
-                 shard_bytes: int = SHARD_BYTES):
-        self.final, self.partial = final, atomic.partial_path(final)
-        self.num_tokens, self.hidden_size = num_tokens, hidden_size
-        self.layout = Layout.for_hidden_size(hidden_size, shard_bytes)
-        self.metadata = metadata
-        self.rows_written = self._resume_point(sequences)
-        if self.rows_written == 0:
-            self._create(sequences)
-        self.group = zarr.open_group(str(self.partial), mode="r+")
-        self.buffer_start = self.rows_written
-        self.buffers: dict[str, list[np.ndarray]] = {name: [] for name in HIDDEN_ARRAYS}
-        self.buffered = 0
-        self.writer_threads = writer_threads
-        self.pool = ThreadPoolExecutor(max_workers=writer_threads)
-        self.pending: list[tuple[int, Future]] = []
-
-    # -- set-up and resume
-    def _resume_point(self, sequences: dict[str, Any]) -> int:
-        progress_path = self.partial / PROGRESS_FILE
-        if not progress_path.is_file():
-            atomic.start_partial_dir(self.final)
-            return 0
-        progress = json.loads(progress_path.read_text())
-        same = (progress.get("schema_version") == SCHEMA_VERSION  # an older partial store lacks checksums
-                and progress.get("metadata") == _jsonable(self.metadata)
-                and progress.get("num_tokens") == self.num_tokens
-                and progress.get("layout") == [self.layout.chunk_rows, self.layout.rows_per_shard]
-                and np.array_equal(zarr.open_group(str(self.partial), mode="r")["input_ids"][...],
-                                   sequences["input_ids"]))
-        if not same:  # written by other code or other inputs: start over
-            atomic.start_partial_dir(self.final)
-            return 0
-        return int(progress["rows_written"])
-
-    def _create(self, sequences: dict[str, Any]) -> None:
-        group = zarr.open_group(str(self.partial), mode="w")
-        chunk, shard = self.layout.chunk_rows, self.layout.rows_per_shard
-        codecs = zarr_io.chunk_codecs(typesize=2)  # what zarr_io.encode_whole_shard writes
-        group.create_array("aux_hidden_states", shape=(self.num_tokens, 3, self.hidden_size), dtype="uint16",
-                           chunks=(chunk, 3, self.hidden_size), shards=(shard, 3, self.hidden_size),
-                           compressors=codecs)
-        group.create_array("last_hidden_states", shape=(self.num_tokens, self.hidden_size), dtype="uint16",
-                           chunks=(chunk, self.hidden_size), shards=(shard, self.hidden_size), compressors=codecs)
-        zarr_io.write_array(group, "input_ids", sequences["input_ids"].astype(np.int32))
-        zarr_io.write_array(group, "loss_mask", sequences["loss_mask"].astype(np.uint8))
-        zarr_io.write_array(group, "seq_offsets", sequences["seq_offsets"].astype(np.int64))
-        zarr_io.write_strings(group, "sample_ids", list(sequences["sample_ids"]))
-        self._save_progress(0)
-
-    def _save_progress(self, rows: int) -> None:
-        progress = {"rows_written": rows, "schema_version": SCHEMA_VERSION, "num_tokens": self.num_tokens,
-                    "metadata": _jsonable(self.metadata),
-                    "layout": [self.layout.chunk_rows, self.layout.rows_per_shard]}
-        atomic.atomic_write(self.partial / PROGRESS_FILE, json.dumps(progress))
-
-    # -- streaming
-    def append(self, aux: np.ndarray, last: np.ndarray) -> None:
-        """Add rows (uint16 bf16 bits) that follow the rows already given, in storage order."""
-        self.buffers["aux_hidden_states"].append(aux)
-        self.buffers["last_hidden_states"].append(last)
-        self.buffered += len(aux)
-        shard = self.layout.rows_per_shard
-        while self.buffered >= shard or (self.buffered and self.buffer_start + self.buffered >= self.num_tokens):
-            rows = min(shard, self.buffered)
-            self._submit(self._take(rows))
-
-    def _take(self, rows: int) -> dict[str, np.ndarray]:
-        """The next `rows` buffered rows. Views where they lie in one appended batch; only a block that
-        straddles two batches is copied (copying every batch cost the main thread as much as the forward)."""
-        taken = {}
-        for name, parts in self.buffers.items():
-            pieces, needed = [], rows
-            while needed:
-                head = parts[0]
-                if len(head) <= needed:
-                    pieces.append(parts.pop(0))
-                    needed -= len(head)
-                else:
-                    pieces.append(head[:needed])
-                    parts[0] = head[needed:]
-                    needed = 0
-            taken[name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        self.buffered -= rows
-        return taken
-
-    def _submit(self, block: dict[str, np.ndarray]) -> None:
-        start = self.buffer_start
-        end = start + len(block["aux_hidden_states"])
-        self.buffer_start = end
-        future = self.pool.submit(self._write_block, start, end, block)
-        self.pending.append((end, future))
-        self._retire(block_when_over=2 * self.writer_threads)
-
-    def _write_block(self, start: int, end: int, block: dict[str, np.ndarray]) -> None:
-        """Runs in a writer thread: encode and write one whole zarr shard of every hidden array."""
-        shard = start // self.layout.rows_per_shard
-        for name, data in block.items():
-            payload = zarr_io.encode_whole_shard(data, self.layout.chunk_rows, self.layout.rows_per_shard)
-            zarr_io.write_whole_shard(self.partial / name, shard, data.ndim - 1, payload)
-
-    def _retire(self, block_when_over: int) -> None:
-        """Record progress for the finished prefix of writes; wait if too many are in flight."""
-        while self.pending and (self.pending[0][1].done() or len(self.pending) > block_when_over):
-            end, future = self.pending.pop(0)
-            future.result()
-            self.rows_written = end
-            self._save_progress(end)
-
-    def finish(self, extra_attrs: dict[str, Any]) -> None:
-        if self.buffered:
-            raise RuntimeError(f"{self.buffered} rows still buffered at finish")
-        self._retire(block_when_over=0)
-        self.pool.shutdown()
-        if self.rows_written != self.num_tokens:
-            raise RuntimeError(f"wrote {self.rows_written} of {self.num_tokens} rows")
-        attrs = {**self.metadata, **extra_attrs, "format": FORMAT, "schema_version": SCHEMA_VERSION,
-                 "num_tokens": self.num_tokens, "hidden_size": self.hidden_size, "hidden_dtype": "bfloat16",
-                 "rows_per_shard": self.layout.rows_per_shard, "chunk_rows": self.layout.chunk_rows,
-                 "pipeline_version": __version__}
-        self.group.attrs.update(attrs)
-        (self.partial / PROGRESS_FILE).unlink()
-        self.group.attrs["complete"] = True  # last
-        atomic.commit_dir(self.partial, self.final)
-
-    def abort(self) -> None:
-        """On an error elsewhere: let submitted shard writes land and record them, so a rerun resumes after them."""
-        try:
-            self._retire(block_when_over=0)
-        finally:
-            self.pool.shutdown(wait=True)
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+def store_dtype_of(attrs: dict[str, Any]) -> str:
+    return attrs.get("hidden_dtype", "bfloat16")  # a version-2 store holds bf16 bits
 
 
 # ---------------------------------------------------------------- reading and validation
 
 class HiddenStore:
-    """Read access for training: one sequence's arrays as tensors."""
+    """Read access for training: one sequence's arrays as tensors, the hidden states as stored (bf16, or fp8
+    bits with their scales: `decode` turns them into bf16, on the device that trains)."""
 
     def __init__(self, path: Path, validate_store: bool = True):
         self.path = Path(path)
         self.attrs = validate(self.path) if validate_store else zarr_io.attrs(self.path)
+        self.store_dtype = store_dtype_of(self.attrs)
         group = zarr_io.open_readonly(self.path)
-        self.aux, self.last = group["aux_hidden_states"], group["last_hidden_states"]
+        self.hidden = {spec.name: group[spec.name]
+                       for spec in hidden_arrays(self.store_dtype, self.attrs["hidden_size"])}
         self.input_ids, self.loss_mask, self.seq_offsets = (self._read(name, group[name], 0, group[name].shape[0])
                                                             for name in ("input_ids", "loss_mask", "seq_offsets"))
 
@@ -232,18 +100,24 @@ class HiddenStore:
         return np.diff(self.seq_offsets)
 
     def sequence(self, j: int) -> dict[str, torch.Tensor]:
+        """input_ids, loss_mask and every hidden array of sequence j: bf16 states (a bf16 store), or uint8 fp8
+        bits plus `aux_scales`/`last_scales` (an fp8 store)."""
         import torch
 
         start, end = int(self.seq_offsets[j]), int(self.seq_offsets[j + 1])
-        return {
-            "input_ids": torch.from_numpy(self.input_ids[start:end].astype(np.int64)),
-            "loss_mask": torch.from_numpy(self.loss_mask[start:end].copy()),
-            "aux_hidden_states": u16_to_bf16(self._read("aux_hidden_states", self.aux, start, end)),
-            "last_hidden_states": u16_to_bf16(self._read("last_hidden_states", self.last, start, end)),
-        }
+        rows = {name: torch.from_numpy(np.ascontiguousarray(self._read(name, array, start, end)))
+                for name, array in self.hidden.items()}
+        if self.store_dtype == "bfloat16":
+            rows = {name: decode(bits, None) for name, bits in rows.items()}
+        return {"input_ids": torch.from_numpy(self.input_ids[start:end].astype(np.int64)),
+                "loss_mask": torch.from_numpy(self.loss_mask[start:end].copy()), **rows}
 
     def _read(self, name: str, array: zarr.Array, start: int, end: int) -> np.ndarray:
         return zarr_io.read_rows(self.path, name, array, start, end)  # CorruptChunk names store, array, chunk
+
+
+def jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
 
 
 def identity(path: Path) -> str:
@@ -254,12 +128,12 @@ def identity(path: Path) -> str:
     path = Path(path)
     group = zarr_io.open_readonly(path)
     attrs = dict(group.attrs)
-    digest = hashlib.sha256(json.dumps(_jsonable(attrs), sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(jsonable(attrs), sort_keys=True).encode())
     for name in ("input_ids", "loss_mask", "seq_offsets"):
         digest.update(np.ascontiguousarray(zarr_io.read_rows(path, name, group[name], 0, group[name].shape[0])))
     digest.update("\0".join(str(s) for s in group["sample_ids"][...]).encode())
     chunks_per_shard = attrs["rows_per_shard"] // attrs["chunk_rows"]
-    for name in HIDDEN_ARRAYS:
+    for name in (spec.name for spec in hidden_arrays(store_dtype_of(attrs), attrs["hidden_size"])):
         files = (path / name / "c").rglob("*")
         for file in sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(path).parts):
             digest.update(str(file.relative_to(path)).encode())
@@ -270,12 +144,16 @@ def identity(path: Path) -> str:
 def validate(path: Path) -> dict[str, Any]:
     """Raise InvalidStore unless the store is complete and internally consistent; return its attrs."""
     path = Path(path)
-    group, attrs = zarr_io.open_complete(path, FORMAT, "hidden-state store", InvalidStore, SCHEMA_VERSION,
+    group, attrs = zarr_io.open_complete(path, FORMAT, "hidden-state store", InvalidStore, READABLE_VERSIONS,
                                          job="extract")
-    num_tokens, hidden = attrs["num_tokens"], attrs["hidden_size"]
-    expected_shapes = {"aux_hidden_states": (num_tokens, 3, hidden), "last_hidden_states": (num_tokens, hidden),
-                       "input_ids": (num_tokens,), "loss_mask": (num_tokens,),
-                       "seq_offsets": (attrs["num_sequences"] + 1,), "sample_ids": (attrs["num_sequences"],)}
+    num_tokens, hidden, store_dtype = attrs["num_tokens"], attrs["hidden_size"], store_dtype_of(attrs)
+    if store_dtype not in STORE_DTYPES:
+        raise InvalidStore(f"{path}: unknown hidden_dtype {store_dtype!r} (this pipeline reads "
+                           f"{', '.join(STORE_DTYPES)})")
+    hidden_specs = hidden_arrays(store_dtype, hidden)
+    expected_shapes = {spec.name: (num_tokens, *spec.row_shape) for spec in hidden_specs}
+    expected_shapes |= {"input_ids": (num_tokens,), "loss_mask": (num_tokens,),
+                        "seq_offsets": (attrs["num_sequences"] + 1,), "sample_ids": (attrs["num_sequences"],)}
     for name, shape in expected_shapes.items():
         if name not in group or group[name].shape != shape:
             raise InvalidStore(f"{path}: array {name} missing or of the wrong shape (expected {shape})")
@@ -283,7 +161,7 @@ def validate(path: Path) -> dict[str, Any]:
     if offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) <= 0):
         raise InvalidStore(f"{path}: seq_offsets do not cover {num_tokens} tokens")
     rows_per_shard = attrs["rows_per_shard"]
-    for name in HIDDEN_ARRAYS:
+    for name in (spec.name for spec in hidden_specs):
         for index in range(math.ceil(num_tokens / rows_per_shard)):
             key = Path(name, "c", str(index), *["0"] * (group[name].ndim - 1))
             if not (path / key).is_file():  # zarr would read a missing shard file as zeros
@@ -293,3 +171,6 @@ def validate(path: Path) -> dict[str, Any]:
     except zarr_io.CorruptChunk as exc:
         raise InvalidStore(str(exc)) from exc
     return attrs
+
+
+from eagle3_pipeline.formats.hidden_store.writer import StoreWriter  # noqa: E402, F401 (needs the names above)

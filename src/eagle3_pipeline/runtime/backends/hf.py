@@ -8,6 +8,7 @@ device-to-host copy, which goes into pinned memory asynchronously so the GPU kee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -77,42 +78,55 @@ class HFBackend:
 
     def extract(self, batch: list[np.ndarray]) -> list[HiddenStates]:
         aux, last, mask = self.forward(batch)
-        packed_aux, packed_last, _ = pack_to_host(aux, last, mask)
+        packed = pack_to_host(aux, last, mask, bf16_rows)
+        if packed.ready is not None:
+            packed.ready.synchronize()
         results, start = [], 0
         for ids in batch:
             end = start + len(ids)
-            results.append(HiddenStates(packed_aux[start:end], packed_last[start:end]))
+            results.append(HiddenStates(packed.rows["aux"][start:end], packed.rows["last"][start:end]))
             start = end
         return results
 
-    def extract_packed(self, batch: list[np.ndarray]) -> PackedStates:
+    def extract_packed(self, batch: list[np.ndarray], encode: RowEncoder | None = None) -> PackedStates:
         """Rows of every sequence in order, padding stripped, on the host (pinned, async on GPU), plus a
-        per-row finite flag computed on the device. Wait on `ready` (GPU only) before reading."""
+        per-row finite flag computed on the device. `encode` turns (aux, last) into the arrays to copy, on the
+        device (e.g. fp8 with scales: half the bytes to copy); without it, {"aux", "last"} in bf16. Wait on
+        `ready` (GPU only) before reading."""
         aux, last, mask = self.forward(batch)
-        return PackedStates(*pack_to_host(aux, last, mask, wait=False))
+        return pack_to_host(aux, last, mask, encode or bf16_rows)
+
+
+RowEncoder = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def bf16_rows(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"aux": aux, "last": last}
 
 
 class PackedStates(NamedTuple):
-    aux: torch.Tensor  # [N, 3, H] bf16
-    last: torch.Tensor  # [N, H] bf16
+    rows: dict[str, torch.Tensor]  # the encoder's arrays, one row per token
     finite: torch.Tensor  # [N] bool: no NaN/Inf in the row
     ready: torch.cuda.Event | None = None
 
 
-def pack_to_host(aux: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, wait: bool = True):
+def pack_to_host(aux: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, encode: RowEncoder) -> PackedStates:
     """Strip padding on the device, cast to bf16, flag non-finite rows there (a full pass over the batch costs
-    the CPU seconds, the GPU microseconds), copy to (pinned) host memory."""
+    the CPU seconds, the GPU microseconds), encode, copy to (pinned) host memory without waiting."""
     aux_rows = aux[mask].to(torch.bfloat16)
     last_rows = last[mask].to(torch.bfloat16)
     finite = finite_rows(aux_rows, last_rows)
+    rows = encode(aux_rows, last_rows)
     if aux_rows.device.type != "cuda":
-        return (aux_rows, last_rows, finite) if wait else (aux_rows, last_rows, finite, None)
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux_rows, last_rows, finite)]
-    for destination, source in zip(host, (aux_rows, last_rows, finite), strict=True):
-        destination.copy_(source, non_blocking=True)
+        return PackedStates(rows, finite)
+    host_rows = {name: _to_pinned(t) for name, t in rows.items()}
+    host_finite = _to_pinned(finite)
     event = torch.cuda.Event()
     event.record()
-    if wait:
-        event.synchronize()
-        return tuple(host)
-    return (*host, event)
+    return PackedStates(host_rows, host_finite, event)
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
