@@ -122,3 +122,11 @@ def test_the_citation_check_catches_session_and_round_numbers(tmp_path):
              "see docs/design.md"]
     assert all(DEVELOPMENT_CITATION.search(text) for text in cited)
     assert not any(DEVELOPMENT_CITATION.search(text) for text in facts)
+
+
+def test_readme_stays_a_front_page_and_the_docs_tree_is_there():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 160  # the guides hold the rest
+    for page in ("getting_started.md", "concepts.md", "design.md", "results.md", "reference/config.md",
+                 "guides/own-target-and-data.md", "guides/regeneration.md", "guides/big-targets-sglang.md",
+                 "guides/slurm-and-conda.md", "guides/disk-planning.md", "guides/reruns-and-recovery.md"):
+        assert (DOCS / page).is_file(), page
