@@ -72,11 +72,20 @@ def broken_links(path: Path) -> list[str]:
     text = re.sub(r"`[^`\n]*`", "", text)
     broken = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL or an anchor on the same page
-        if not (path.parent / target.split("#")[0]).exists():
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file if file else path
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked)):
             broken.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}: {target}")
     return broken
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ +(.+?) *$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
 
 
 def test_every_relative_link_in_the_docs_points_to_an_existing_file():
@@ -86,10 +95,12 @@ def test_every_relative_link_in_the_docs_points_to_an_existing_file():
 
 def test_the_link_check_finds_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
-    (tmp_path / "there.md").write_text("x")
-    page.write_text("[ok](there.md) [anchor](#a) [web](https://example.org) `[code](gone.md)`\n"
-                    "![picture](img/missing.png) [gone](guides/gone.md#part)\n")
-    assert broken_links(page) == ["page.md: img/missing.png", "page.md: guides/gone.md#part"]
+    (tmp_path / "there.md").write_text("# There\n\n## Part two: the `rest`\n")
+    page.write_text("# Page\n[ok](there.md#part-two-the-rest) [here](#page) [web](https://example.org)\n"
+                    "`[code](gone.md)` ![picture](img/missing.png) [gone](guides/gone.md#part)\n"
+                    "[no such part](there.md#part-three) [no such heading](#elsewhere)\n")
+    assert broken_links(page) == ["page.md: img/missing.png", "page.md: guides/gone.md#part",
+                                  "page.md: there.md#part-three", "page.md: #elsewhere"]
 
 
 def development_citations(paths: list[Path]) -> list[str]:
