@@ -26,9 +26,8 @@ COLUMNS = ("key", "type", "default", "allowed", "description")
 
 HEADER = f"""# Configuration reference
 
-<!-- Generated from config/schema.yaml by `{COMMAND}`: do not edit by hand.
-     After changing the schema, run that command; `{COMMAND} --check` (and tests/unit/test_docs.py)
-     fails while this page and the schema disagree. -->
+> Generated from `config/schema.yaml` by `{COMMAND}` - do not edit by hand. After changing the schema, run that
+> command; `{COMMAND} --check` (and tests/unit/test_docs.py) fails while this page and the schema disagree.
 
 Every key the pipeline reads, generated from [`config/schema.yaml`](../../config/schema.yaml). A run's config is
 [`config/config.yaml`](../../config/config.yaml) with any `--configfile` overlays merged over it; a key left out
