@@ -98,7 +98,9 @@ def rows(node: dict[str, Any], path: str, required: set[str]) -> Iterator[tuple[
     """One row per key under `node`, depth first; objects and lists of objects recurse into their keys."""
     for key, sub in (node.get("properties") or {}).items():
         key_path = f"{path}.{key}" if path else key
-        default = literal(sub["default"]) if "default" in sub else ("required" if key in required else "")
+        default = "required" if key in required else ""
+        if "default" in sub and not sub.get("properties"):  # a mapping's default is its keys' rows below
+            default = literal(sub["default"])
         yield (f"`{key_path}`", type_of(sub), default, allowed_of(sub), sub.get("description", ""))
         if sub.get("properties"):
             yield from rows(sub, key_path, set(sub.get("required", [])))
