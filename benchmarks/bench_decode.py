@@ -15,7 +15,7 @@ vs wall time says whether a step waits on the host or on the device), and of the
 `--serving DIR` times a trained drafter (its speedups are real ones). By default the drafter is untrained (random
 weights, the target's shape and embedding): its acceptance is ~0, so the timing pass's speedup for it means
 nothing, but its cost per verify step is what a trained drafter's is. With --tau (a tau measured by the
-evaluation, e.g. this session's MT-bench k=4), the projected speedup of a drafter with that tau is printed:
+evaluation, e.g. the run's MT-bench k=4), the projected speedup of a drafter with that tau is printed:
 tau x (target ms per token) / (ms per verify step of the chain).
 """
 
@@ -164,7 +164,7 @@ def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Dr
                     [ids[-1]] + tree.tokens, [n + d for d in [0, *tree.depths]], tree.visible(), cache,
                     width=setting.num_draft_tokens)[0]}
     for name, verify in verifies.items():
-        for _round in range(2):  # the first round compiles and captures, the second is timed
+        for _round in range(2):  # the first pass compiles and captures, the second is timed
             synchronize(features.device)
             tick = time.perf_counter()
             for _ in range(30):

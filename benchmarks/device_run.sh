@@ -6,11 +6,11 @@
 # same command at once, LIMIT ~540 with the call's timeout ~590 s; read the results after the last call.
 #   compare   config/examples/gpu-smollm2.yaml on GPU 0 and a second run on GPU 1 (last GPU),
 #             each through evaluation and its HTML report. The second run's overlays are $SECOND (default: the
-#             data-size control gpu-smollm2-8k.yaml), given after $DEVICE_CONFIG, so they may override it.
+#             data-size control benchmarks/configs/gpu-smollm2-8k.yaml), given after $DEVICE_CONFIG, so they may override it.
 #             BENCH=1 first runs bench_extract.py --only-big on GPU 1; CONTROL=0 skips the second run.
 #             Calls stop at $LIMIT seconds; the same command in the next call resumes both runs
 #             (regeneration and evaluation keep finished work while the machine stays warm).
-#   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. gpu-smollm2-2gpu.yaml), every GPU
+#   single    config/examples/gpu-smollm2.yaml plus the overlays in $SECOND (e.g. benchmarks/configs/gpu-smollm2-2gpu.yaml), every GPU
 #             visible to the one run; resumable across calls like compare; ends with its HTML report.
 #             BENCH_DECODE=1 then runs bench_decode.py alone on the GPU, in the call that finishes the run;
 #             PROFILE=1 then (or in the next call) benchmarks/profile_loops.py on the run's drafter ($PROFILE_ARGS,
@@ -29,6 +29,7 @@
 #             bench_decode.py when time is left; resumable across calls like compare.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
+# The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
 # appended to every --configfile list.
 # bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
@@ -40,7 +41,7 @@ deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
-read -ra second <<< "${SECOND:-config/examples/gpu-smollm2-8k.yaml}"
+read -ra second <<< "${SECOND:-benchmarks/configs/gpu-smollm2-8k.yaml}"
 second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)

@@ -18,7 +18,7 @@ from typing import Any
 
 STAGE_RULES = {"tokens": "tokenize", "hidden": "extract", "target": "target", "train": "train",
                "serving": "export", "evaluation": "evaluate"}  # which rule writes each stage's bytes
-CHARS_PER_TOKEN = 4.1  # measured: ShareGPT V3 under SmolLM2's tokenizer, 400 conversations (docs/ARCHITECTURE.md)
+CHARS_PER_TOKEN = 4.1  # measured: ShareGPT V3 under SmolLM2's tokenizer, 400 conversations (docs/design.md)
 TEMPLATE_TOKENS_PER_TURN = 5  # role header and end-of-turn markers
 
 

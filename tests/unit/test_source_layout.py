@@ -1,4 +1,4 @@
-"""The layout rules docs/ARCHITECTURE.md states, checked on the source: artifacts are written and opened only in
+"""The layout rules docs/design.md states, checked on the source: artifacts are written and opened only in
 formats/, and modules and functions stay small enough to read (no stage importing another: test_stage_settings)."""
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ROOT / "src" / "eagle3_pipeline" / "stages"
-# Artifact readers that still live in the train stage; they move to formats/ (issue 14, the FMT part).
 def embedded_config() -> dict:
     """config/config.yaml with the schema's defaults filled in, as the workflow sees it."""
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())

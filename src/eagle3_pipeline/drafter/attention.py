@@ -47,7 +47,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     (True: visible) or additive float -> [B, heads, T, d]. Two matmuls and one softmax, the query heads of each
     key/value head stacked as rows, for decoding over a static cache: SDPA repeats every key and value head over
     the whole cache first, and on an H200 sends a few-query verify to cuDNN's prefill kernel (a memset, ~5 us of
-    launch gap and 10 us per call - docs/RESULTS.md, twelfth session). Scores and softmax in float32 at least."""
+    launch gap and 10 us per call; benchmarks/profile_loops.py). Scores and softmax in float32 at least."""
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads

@@ -1,7 +1,7 @@
 """Trained drafter weights (safetensors): the `train` rule's `train/drafter.safetensors` and the held-out
 selection's `train_state/best.safetensors`.
 
-Both hold the drafter's trainable tensors by their DESIGN names (`fc.weight`, `midlayer.*`, `norm.weight`,
+Both hold the drafter's trainable tensors by the names training gives them (`fc.weight`, `midlayer.*`, `norm.weight`,
 `lm_head.weight`, `d2t`, `t2d`; never the frozen embedding, which comes from the target). Metadata:
   trained weights  `drafter_config`: the DrafterConfig as JSON (enough to rebuild the model)
   best weights     `step` (the training step they were taken at) and `tau` (its estimated acceptance, repr)

@@ -1,6 +1,6 @@
 """The target's attention when it decodes over a static KV cache: `grouped_attention` in place of SDPA.
 
-Profiled on an H200 (docs/RESULTS.md, twelfth session): over SmolLM2's 512-slot static cache SDPA sends the
+Profiled on an H200 (`benchmarks/profile_loops.py`): over SmolLM2's 512-slot static cache SDPA sends the
 k+1-token verify to cuDNN's prefill kernel - a memset, ~5 us of launch gap and 10 us of kernel per layer, twice the
 one-token step's attention - after four copy kernels per layer that repeat every key and value head over the whole
 cache. The verify step cost 1.73 ms against 1.54 ms for a one-token step, most of the difference in that kernel.

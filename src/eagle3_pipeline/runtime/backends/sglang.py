@@ -1,6 +1,6 @@
 """SGLang backend: stock SGLang servers (>= 0.5.23) return the hidden states; we never patch them.
 
-Contract (from SGLang's server arguments and its `/generate` API; see docs/ARCHITECTURE.md):
+Contract (from SGLang's server arguments and its `/generate` API; see docs/design.md):
 - The aux server is started with
   `--enable-return-hidden-states --enable-return-aux-hidden-states --speculative-algorithm EAGLE3
    --return-aux-hidden-state-layer-ids <SGLang ids> --chunked-prefill-size -1 --disable-radix-cache`.
