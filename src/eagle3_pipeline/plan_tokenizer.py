@@ -4,12 +4,11 @@ The target's weights are never loaded."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.formats.atomic import atomic_dir
 from eagle3_pipeline.formats.target_dir import COPIED_FILES, is_materialised, read_identity
 from eagle3_pipeline.target_shape import gguf_path
 
@@ -102,11 +101,6 @@ def saved_gguf_tokenizer(gguf: Path, saved_dir: Path) -> Any:
     if saved_dir.is_dir():
         return AutoTokenizer.from_pretrained(str(saved_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    partial = saved_dir.with_name(f"{saved_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer.save_pretrained(str(partial))
-    try:
-        os.replace(partial, saved_dir)
-    except OSError:  # another process saved it first
-        shutil.rmtree(partial, ignore_errors=True)
+    with atomic_dir(saved_dir, replace=True) as partial:
+        tokenizer.save_pretrained(str(partial))
     return tokenizer

@@ -12,10 +12,8 @@ keyed by the inputs' sizes and times, the tokenizer and the settings, so only th
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
-import os
 import random
 import sys
 from collections.abc import Callable
@@ -24,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.formats import reports
 from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
 
 SAMPLE_SIZE = 400  # about 3 % standard error on ShareGPT at 2,048 tokens; ~8 s to tokenize on one core
@@ -58,22 +57,12 @@ def sample_tokens(tokenizer: Any, conversations: list[dict[str, Any]], data: dic
 
 # ---------------------------------------------------------------- samples
 
-def seeded_positions(sizes: list[int], count: int, seed: int) -> list[tuple[int, int]]:
-    """`count` distinct (part, index) positions drawn uniformly over parts of `sizes` items, in order."""
-    total, ends = sum(sizes), [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    chosen = sorted(random.Random(seed).sample(range(total), min(count, total)))
-    positions = []
-    for flat in chosen:
-        part = bisect.bisect_right(ends, flat)
-        positions.append((part, flat - (ends[part - 1] if part else 0)))
-    return positions
-
-
 def sample_from_shards(paths: list[Path], count: int, seed: int) -> tuple[list[int], list[dict[str, Any]]]:
     """(conversations per shard, a seeded sample of them) from conversation shards (formats/conversation_shards)."""
     lines = [[line for line in p.read_bytes().split(b"\n") if line.strip()] for p in paths]
-    sample = [json.loads(lines[shard][index]) for shard, index in seeded_positions(list(map(len, lines)), count, seed)]
-    return list(map(len, lines)), sample
+    pooled = [line for shard in lines for line in shard]  # shards are dealt round-robin: one population
+    chosen = sorted(random.Random(seed).sample(range(len(pooled)), min(count, len(pooled))))
+    return list(map(len, lines)), [json.loads(pooled[i]) for i in chosen]
 
 
 def record_reader(path: Path) -> tuple[int, Callable[[int], list[Any]]]:
@@ -89,20 +78,29 @@ def record_reader(path: Path) -> tuple[int, Callable[[int], list[Any]]]:
     return len(slices), lambda index: list(iter_records_in(path, slices[index], DropReport()))
 
 
-def sample_from_raw(inputs: list[Path], count: int, seed: int) -> tuple[int, int, list[dict[str, Any]]]:
-    """(records in all inputs, records sampled, the sampled records ingest keeps, normalised)."""
+@dataclass
+class InputSample:
+    name: str  # the input's file name: what data.weights are matched by
+    records: int
+    sampled: int
+    kept: list[dict[str, Any]]  # the sampled records ingest keeps, normalised
+
+
+def sample_from_raw(inputs: list[Path], count: int, seed: int) -> list[InputSample]:
+    """A seeded sample of each input's records, `count` in all, each input's share its share of the records
+    (an input's records are counted exactly, so only its keep rate and its tokens are sampled)."""
     from eagle3_pipeline.conversations import normalize_record
     from eagle3_pipeline.raw_records import DropReport
 
     readers = [record_reader(path) for path in inputs]
-    positions = seeded_positions([size for size, _ in readers], count, seed)
-    kept, report = [], DropReport()
-    for part, index in positions:
-        for record in readers[part][1](index):
-            conversation = normalize_record(record, report)
-            if conversation is not None:
-                kept.append(conversation)
-    return sum(size for size, _ in readers), len(positions), kept
+    total, rng, samples = sum(size for size, _ in readers), random.Random(seed), []
+    for path, (size, read) in zip(inputs, readers, strict=True):
+        share = min(size, max(1, round(count * size / total))) if size else 0
+        kept, report = [], DropReport()
+        for index in sorted(rng.sample(range(size), share)):
+            kept += [c for c in (normalize_record(r, report) for r in read(index)) if c is not None]
+        samples.append(InputSample(path.name, size, share, kept))
+    return samples
 
 
 def split_counts(total: int, num_shards: int) -> list[int]:
@@ -154,7 +152,7 @@ class TokenEstimator:
         shard_files = self.sampled_shards()
         cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files)}.json"
         if cached.is_file():
-            return SampledTokens(**json.loads(cached.read_text()))
+            return SampledTokens(**reports.read(cached))
         if not self.may_compute:
             self.fallback = "characters: no cached sample in this job"
             return None
@@ -168,7 +166,8 @@ class TokenEstimator:
                   f"estimated from characters", file=sys.stderr)
             return None
         result = self.from_shards(tokenizer, shard_files) if shard_files else self.from_raw(tokenizer)
-        write_json(cached, asdict(result))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        reports.write(cached, asdict(result))
         return result
 
     def from_shards(self, tokenizer: Any, files: list[Path]) -> SampledTokens:
@@ -178,25 +177,23 @@ class TokenEstimator:
                              sum(tokens) / max(len(tokens), 1), len(sample))
 
     def from_raw(self, tokenizer: Any) -> SampledTokens:
-        records, sampled, kept = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
-        by_name = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
-        weights = [float(by_name.get(c["source"], 1.0)) for c in kept]
-        tokens = sample_tokens(tokenizer, kept, self.data)
-        weight_sum = sum(weights)
-        per_conversation = sum(w * t for w, t in zip(weights, tokens, strict=True)) / weight_sum if weight_sum else 0.0
-        kept_records = records * len(kept) / max(sampled, 1)
-        total = training_conversations(kept_records, weight_sum / max(len(kept), 1), self.data)
+        samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
+        weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
+        kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
+        for sample in samples:
+            tokens = sample_tokens(tokenizer, sample.kept, self.data)
+            kept_records = sample.records * len(sample.kept) / max(sample.sampled, 1)
+            weight = float(weight_of.get(sample.name, 1.0))
+            kept += kept_records
+            weighted += weight * kept_records
+            weighted_tokens += weight * kept_records * sum(tokens) / max(len(tokens), 1)
+        total = training_conversations(kept, weighted / kept if kept else 0.0, self.data)
         counts = split_counts(total, len(self.shards))
         return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},
-                             per_conversation, sampled)
+                             weighted_tokens / weighted if weighted else 0.0, sum(s.sampled for s in samples))
 
 
 def stable_hash(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, default=str).encode()).hexdigest()[:20]
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    partial.write_text(json.dumps(value))
-    os.replace(partial, partial.with_name(path.name))
