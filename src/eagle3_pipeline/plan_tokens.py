@@ -26,7 +26,7 @@ from eagle3_pipeline.formats import reports
 from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
 
 SAMPLE_SIZE = 400  # about 3 % standard error on ShareGPT at 2,048 tokens; ~8 s to tokenize on one core
-ESTIMATE_VERSION = 1  # bump when the way an estimate is made changes: cached ones are then ignored
+ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
 DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations", "weights",
              "seed", "num_shards")
 
@@ -156,8 +156,6 @@ class TokenEstimator:
         if not self.may_compute:
             self.fallback = "characters: no cached sample in this job"
             return None
-        print(f"Disk plan: tokenizing a sample of {self.sample_size} conversations with the target's tokenizer "
-              f"(once; cached under {self.cache_dir})", file=sys.stderr)
         try:
             tokenizer = self.tokenizer.load(self.cache_dir / "tokenizers" / stable_hash(self.tokenizer.identity()))
         except NoTokenizer as exc:
@@ -165,6 +163,8 @@ class TokenEstimator:
             print(f"Disk plan: the tokenizer of {self.tokenizer.source!r} cannot be loaded ({exc}); tokens are "
                   f"estimated from characters", file=sys.stderr)
             return None
+        print(f"Disk plan: tokenizing a sample of {self.sample_size} conversations with the target's tokenizer "
+              f"(once; cached under {self.cache_dir})", file=sys.stderr)
         result = self.from_shards(tokenizer, shard_files) if shard_files else self.from_raw(tokenizer)
         cached.parent.mkdir(parents=True, exist_ok=True)
         reports.write(cached, asdict(result))
