@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import assets, plan_tokenizer, plan_tokens
+from eagle3_pipeline import assets, plan, plan_tokenizer, plan_tokens
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_raw_records, iter_records_in, read_input
 from eagle3_pipeline.runtime.loading import load_tokenizer
@@ -102,3 +102,14 @@ def test_the_same_seed_gives_the_same_estimate_and_a_job_reads_the_cached_one(pa
     assert estimator(package_slice, tmp_path / "cache").estimate == first  # made again, same sample
     nothing_cached = estimator(package_slice, tmp_path / "elsewhere", may_compute=False)
     assert nothing_cached.estimate is None and nothing_cached.fallback == "characters: no cached sample in this job"
+
+
+def test_without_a_tokenizer_the_plan_estimates_from_characters_and_says_so(package_slice, tmp_path):
+    source = TokenizerSource(tmp_path / "no-target-yet", "someorg/never-downloaded")  # a hub id in no local cache
+    sampler = plan_tokens.TokenEstimator(SHARDS, [[], []], package_slice, DATA, source, tmp_path / "cache")
+    paths = {"token_shard": str(tmp_path / "tokens-{shard}.zarr"),
+             "conversation_shard": str(tmp_path / "conversations-{shard}.jsonl"),
+             "hidden_store": str(tmp_path / "hidden-{shard}.zarr")}
+    disk = plan.build(SHARDS, paths, package_slice, DATA, 576, 1.4, tmp_path, sampler=sampler)
+    assert sampler.estimate is None and disk.stages[0].source == "estimate (characters: no tokenizer)"
+    assert disk.stages[0].tokens > 0
