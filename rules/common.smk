@@ -3,7 +3,8 @@ from functools import cache
 
 from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
-from eagle3_pipeline import plan_fixed, target_shape
+from eagle3_pipeline import plan_fixed, plan_tokens, target_shape
+from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline import workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 
@@ -86,6 +87,22 @@ wildcard_constraints:
     shard=rf"\d{{5}}|{HELDOUT}",
 
 
+def token_sampler():
+    # The sampled estimate is made only in the main process (and cached under .snakemake/): a cluster job
+    # that parses this file reads the cached one or falls back to characters, it never tokenizes.
+    target = config["target"]
+    return plan_tokens.TokenEstimator(
+        SHARDS,
+        [[Path(TRAINING_CONVERSATIONS.format(shard=s)), Path(CONVERSATION_SHARD.format(shard=s))] for s in SHARDS],
+        [Path(p) for p in SETTINGS.data_inputs],
+        config["data"],
+        TokenizerSource(Path(TARGET_DIR), SETTINGS.target_source, target.get("gguf_file"), target.get("revision"),
+                        target.get("trust_remote_code", False), target.get("chat_template")),
+        Path(".snakemake") / "eagle3_pipeline",
+        may_compute=workflow.is_main_process,
+    )
+
+
 @cache
 def current_plan():
     target = config["target"]
@@ -116,6 +133,7 @@ def current_plan():
         fixed,
         warnings,
         config["extract"]["store_dtype"],
+        sampler=token_sampler(),
     )
 
 

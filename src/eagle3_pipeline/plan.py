@@ -1,7 +1,8 @@
 """The disk plan: how many bytes each stage will write, against the free space where results live.
 
-Token counts are exact where token shards exist and estimated otherwise (from the normalized
-conversation shards, else from the raw inputs); the plan says which. Stages whose size does not grow
+Token counts are exact where token shards exist and estimated otherwise: from a seeded sample tokenized
+with the target's tokenizer (plan_tokens), else, without a tokenizer, from characters (the normalized
+conversation shards, else the raw inputs' size); the plan says which. Stages whose size does not grow
 with tokens (the target copy, training state and weights, the export, evaluation results) are sized
 from the target's shape. `snakemake -n` prints it before the job table; a real run refuses to start
 when the stages it will run do not fit, or when it would extract hidden states of unknown size
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3_pipeline.plan_tokens import TokenEstimator
 
 STAGE_RULES = {"tokens": "tokenize", "hidden": "extract", "target": "target", "train": "train",
                "serving": "export", "evaluation": "evaluate"}  # which rule writes each stage's bytes
@@ -28,6 +32,7 @@ class ShardPlan:
     tokens: int
     exact: bool
     exists: bool = False
+    method: str = ""  # how an estimate was made, e.g. "sample of 400"
 
 
 @dataclass
@@ -56,7 +61,9 @@ class StagePlan:
     @property
     def source(self) -> str:
         kinds = {s.exact for s in self.shards}
-        return "exact" if kinds == {True} else "estimate" if kinds == {False} else "exact+estimate"
+        methods = sorted({s.method for s in self.shards if not s.exact and s.method})
+        how = f" ({', '.join(methods)})" if methods else ""
+        return "exact" if kinds == {True} else f"estimate{how}" if kinds == {False} else f"exact+estimate{how}"
 
 
 def hidden_bytes_per_token(hidden_size: int, compression: float | None,
@@ -115,7 +122,9 @@ def estimate_from_raw(inputs: list[Path], train_conversations: int | None, num_s
 
 
 def shard_token_counts(shard_names: list[str], token_shard: str, conversation_shard: str,
-                       inputs: list[Path], data: dict[str, Any]) -> list[ShardPlan]:
+                       inputs: list[Path], data: dict[str, Any], sampler: TokenEstimator | None = None
+                       ) -> list[ShardPlan]:
+    """Exact counts where token shards exist; else the sampler's estimate (plan_tokens), else characters."""
     from eagle3_pipeline.formats import token_shards
 
     plans, raw_estimate = [], None
@@ -129,13 +138,19 @@ def shard_token_counts(shard_names: list[str], token_shard: str, conversation_sh
                 continue
             except token_shards.InvalidTokenShard:
                 pass
+        sampled = sampler.estimate if sampler is not None else None
+        if sampled is not None:
+            plans.append(ShardPlan(name, sampled.tokens(name), False, method=sampled.label))
+            continue
+        method = sampler.fallback if sampler is not None else "characters"
         if conversation_path.is_file():
-            plans.append(ShardPlan(name, estimate_from_conversations(conversation_path, data["max_seq_len"]), False))
+            plans.append(ShardPlan(name, estimate_from_conversations(conversation_path, data["max_seq_len"]), False,
+                                   method=method))
             continue
         if raw_estimate is None:
             raw_estimate = estimate_from_raw(inputs, data.get("train_conversations"), data["num_shards"],
                                              data["max_seq_len"])
-        plans.append(ShardPlan(name, raw_estimate, exact=False))
+        plans.append(ShardPlan(name, raw_estimate, exact=False, method=method))
     return plans
 
 
@@ -212,19 +227,18 @@ class DiskPlan:
 def build(shard_names: list[str], paths: dict[str, str], inputs: list[Path], data: dict[str, Any],
           hidden_size: int | None, compression: float | None, results_dir: Path,
           fixed: list[FixedStage] | None = None, warnings: list[str] | None = None,
-          store_dtype: str = "bfloat16") -> DiskPlan:
+          store_dtype: str = "bfloat16", sampler: TokenEstimator | None = None) -> DiskPlan:
     from eagle3_pipeline.formats.token_shards import BYTES_PER_TOKEN
 
-    counts = shard_token_counts(shard_names, paths["token_shard"], paths["conversation_shard"], inputs, data)
+    counts = shard_token_counts(shard_names, paths["token_shard"], paths["conversation_shard"], inputs, data,
+                                sampler)
     tokens = StagePlan("tokens", BYTES_PER_TOKEN, BYTES_PER_TOKEN / 2,
-                       [ShardPlan(c.name, c.tokens, c.exact, Path(paths["token_shard"].format(shard=c.name)).exists())
-                        for c in counts])
+                       [replace(c, exists=Path(paths["token_shard"].format(shard=c.name)).exists()) for c in counts])
     stages = [tokens]
     if hidden_size:
         raw, expected = hidden_bytes_per_token(hidden_size, compression, store_dtype)
         stages.append(StagePlan("hidden", raw, expected,
-                                [ShardPlan(c.name, c.tokens, c.exact,
-                                           Path(paths["hidden_store"].format(shard=c.name)).exists())
+                                [replace(c, exists=Path(paths["hidden_store"].format(shard=c.name)).exists())
                                  for c in counts]))
     return DiskPlan(stages, results_dir, free_bytes(results_dir), fixed or [], warnings or [],
                     hidden_size_unknown=not hidden_size)

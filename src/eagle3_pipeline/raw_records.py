@@ -90,7 +90,15 @@ class RawRecord:
 def iter_raw_records(path: Path, report: DropReport) -> Iterator[RawRecord]:
     """Yield records from a JSON array or JSONL file (gzip-compressed when named *.gz), recovering from
     truncation and bad lines."""
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    yield from iter_records_in(path, read_input(path), report)
+
+
+def read_input(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
+def iter_records_in(path: Path, data: bytes, report: DropReport) -> Iterator[RawRecord]:
+    """The records of `data`, the content of input `path` (or a part of it: see `split_records`)."""
     bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
     if bom:  # editors on Windows write one; JSON forbids it, so it is dropped (and noted) rather than fatal
         data = data[bom:]
@@ -189,6 +197,42 @@ class _ByteOffsets:
         self.byte += len(self.text[self.char:position].encode("utf-8", errors="surrogateescape"))
         self.char = position
         return self.byte
+
+
+class RecordSlices:
+    """The records of an input as byte ranges, found without parsing them: the lines of JSON lines, or the
+    elements of a pretty-printed JSON array (split where the array's record separator stands: a newline cannot
+    stand inside a JSON string, so the separator never stands inside a record). `slices[i]` is record i on its
+    own, which `iter_records_in` reads back (an array element comes wrapped in brackets)."""
+
+    def __init__(self, data: bytes, spans: list[tuple[int, int]], array: bool):
+        self.data, self.spans, self.array = data, spans, array
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, index: int) -> bytes:
+        start, end = self.spans[index]
+        return b"[" + self.data[start:end] + b"]" if self.array else self.data[start:end]
+
+    @classmethod
+    def of(cls, data: bytes) -> RecordSlices | None:
+        """None for a one-line JSON array: its separators cannot be told from text without parsing."""
+        data = data[len(UTF8_BOM):] if data.startswith(UTF8_BOM) else data
+        head = data.lstrip()[:1]
+        if head != b"[":
+            lines = re.finditer(rb"[^\n]*[^\s][^\n]*", data) if head == b"{" else ()
+            return cls(data, [m.span() for m in lines], array=False)
+        start = data.index(b"[") + 1
+        prefix = _record_prefix(data[start:start + 4096].decode("utf-8", errors="surrogateescape"), 0)
+        if prefix is None:
+            return None
+        separator = prefix[:-1].encode()  # the separator ends with the next record's "{"
+        starts = [start] + [m.start() + len(separator) for m in re.finditer(re.escape(prefix.encode()), data)]
+        end = len(data.rstrip())
+        end -= data[end - 1:end] == b"]"  # a truncated file has no closing bracket
+        ends = [s - len(separator) for s in starts[1:]] + [end]
+        return cls(data, list(zip(starts, ends, strict=True)), array=True)
 
 
 def _record_prefix(text: str, position: int) -> str | None:

@@ -147,3 +147,39 @@ def tokenize_conversation(tokenizer: Any, conversation: dict[str, Any], end_mark
             return None
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     return TokenizedConversation(conversation["id"], ids, mask, truncated)
+
+
+@dataclass
+class TokenizeOutcome:
+    """What the tokenize stage makes of one conversation: its tokens, or the counted reason it is dropped."""
+
+    tokenized: TokenizedConversation | None  # also set when dropped for having no loss tokens
+    dropped: str | None = None  # dropped_overlength, dropped_template_error or dropped_no_loss_tokens
+    cut_before_tokenizing: bool = False
+    template_error: str | None = None
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens this conversation adds to its token shard (0 when dropped)."""
+        return 0 if self.dropped or self.tokenized is None else len(self.tokenized.input_ids)
+
+
+def tokenize_or_drop(tokenizer: Any, conversation: dict[str, Any], end_marker: str | None, bound: int,
+                     max_seq_len: int, overlength: str) -> TokenizeOutcome:
+    """One conversation as the tokenize stage keeps or drops it; `bound` is `character_bound(...)`.
+
+    The disk plan tokenizes its sample through here too, so its estimate drops what the stage drops."""
+    cut = cut_to_characters(conversation, bound)
+    if cut is not None:  # surely over max_seq_len: decided without tokenizing megabytes
+        if overlength == "drop":
+            return TokenizeOutcome(None, "dropped_overlength")
+        conversation = cut
+    try:
+        tokenized = tokenize_conversation(tokenizer, conversation, end_marker, max_seq_len, overlength)
+    except TemplateError as exc:
+        return TokenizeOutcome(None, "dropped_template_error", cut is not None, str(exc))
+    if tokenized is None:
+        return TokenizeOutcome(None, "dropped_overlength", cut is not None)
+    if not tokenized.loss_mask.any():  # e.g. truncation cut every assistant token
+        return TokenizeOutcome(tokenized, "dropped_no_loss_tokens", cut is not None)
+    return TokenizeOutcome(tokenized, None, cut is not None)

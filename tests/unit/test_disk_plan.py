@@ -56,7 +56,7 @@ def test_tokens_are_exact_where_shards_exist_and_estimated_otherwise(layout):
     raw_estimate = int(min(raw.stat().st_size / 10 / 4.1, MAX_SEQ_LEN) * 10 / 3)  # 10 records over 3 shards
     assert [(s.name, s.tokens, s.exact, s.exists) for s in tokens.shards] == [
         ("00000", 60, True, True), ("00001", 39 + 256, False, False), ("00002", raw_estimate, False, False)]
-    assert tokens.source == "exact+estimate" and tokens.tokens == 60 + 295 + raw_estimate
+    assert tokens.source == "exact+estimate (characters)" and tokens.tokens == 60 + 295 + raw_estimate
     assert (tokens.raw_bytes_per_token, tokens.expected_bytes_per_token) == (5, 2.5)
     assert tokens.total_bytes == int(tokens.tokens * 2.5)
     assert tokens.pending_bytes == int((295 + raw_estimate) * 2.5)  # shard 00000 is written already
@@ -82,7 +82,7 @@ def test_the_printed_plan_shows_the_same_numbers(layout):
     disk = build(tmp_path, paths, raw)
     tokens, hidden = disk.stages
     rows = {line.split()[0]: line for line in disk.lines()[2:4]}
-    assert rows["tokens"].split()[1] == f"{tokens.tokens:,}" and rows["tokens"].endswith("exact+estimate")
+    assert rows["tokens"].split()[1] == f"{tokens.tokens:,}" and rows["tokens"].endswith("exact+estimate (characters)")
     assert rows["hidden"].split()[2:4] == ["517.0", f"{hidden.expected_bytes_per_token:.1f}"]
     assert disk.lines()[-1].endswith(f"{plan.human_bytes(disk.pending)} -> {'fits' if disk.fits else 'DOES NOT FIT'}")
 

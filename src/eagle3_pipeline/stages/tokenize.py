@@ -13,14 +13,7 @@ from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.loading import load_tokenizer
-from eagle3_pipeline.tokenization import (
-    TemplateError,
-    character_bound,
-    cut_to_characters,
-    end_of_turn_marker,
-    template_hash,
-    tokenize_conversation,
-)
+from eagle3_pipeline.tokenization import character_bound, end_of_turn_marker, template_hash, tokenize_or_drop
 
 
 @dataclass(frozen=True)
@@ -53,30 +46,20 @@ def tokenize_shard(conversations: list[dict[str, Any]], tokenizer: Any, target_d
     first_template_error = None
     progress = Progress(log, "tokenize", len(conversations))
     for index, conversation in enumerate(conversations):
-        cut = cut_to_characters(conversation, bound)
-        if cut is not None:  # surely over max_seq_len: decided without tokenizing megabytes
-            if overlength == "drop":
-                counts["dropped_overlength"] += 1
-                progress.update(1)
-                continue
+        outcome = tokenize_or_drop(tokenizer, conversation, marker, bound, max_seq_len, overlength)
+        if outcome.cut_before_tokenizing:
             counts["cut_before_tokenizing"] += 1
-            conversation = cut
-        try:
-            tokenized = tokenize_conversation(tokenizer, conversation, marker, max_seq_len, overlength)
-        except TemplateError as exc:
-            counts["dropped_template_error"] += 1
-            first_template_error = first_template_error or f"record {index}: {exc}"
+        if outcome.dropped:
+            counts[outcome.dropped] += 1
+        if outcome.template_error:
+            first_template_error = first_template_error or f"record {index}: {outcome.template_error}"
             if counts["dropped_template_error"] <= 5:
-                log.warning("%s record %d (id %s): dropped: %s", source_name, index, conversation["id"], exc)
-            continue
-        if tokenized is None:
-            counts["dropped_overlength"] += 1
-        elif not tokenized.loss_mask.any():
-            counts["dropped_no_loss_tokens"] += 1  # e.g. truncation cut every assistant token
-        else:
-            counts["truncated"] += tokenized.truncated
-            sequences.append(tokenized)
-        progress.update(1, len(tokenized.input_ids) if tokenized else 0)
+                log.warning("%s record %d (id %s): dropped: %s", source_name, index, conversation["id"],
+                            outcome.template_error)
+        elif not outcome.dropped:
+            counts["truncated"] += outcome.tokenized.truncated
+            sequences.append(outcome.tokenized)
+        progress.update(1, len(outcome.tokenized.input_ids) if outcome.tokenized else 0)
     progress.finish()
     failures = {key: counts[key] for key in TOKENIZE_FIXES}
     if not getattr(tokenizer, "chat_template", None):

@@ -1,0 +1,209 @@
+"""Tokens per shard before the token shards exist: a seeded sample of conversations tokenized with the
+target's own tokenizer and chat template through the tokenize stage's own function (same template, same
+truncation at data.max_seq_len, same drops), times the conversations each shard will hold.
+
+The sample comes from the conversation shards once ingest has written them (their conversation counts are
+then exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own
+code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
+as ingest makes it (data.eval_conversations first, then data.train_conversations, then data.weights).
+Duplicate ids, which ingest drops, are not seen in a sample; with regeneration on, the ingested replies stand in
+for the regenerated ones until those exist. The estimate is cached under `cache_dir`,
+keyed by the inputs' sizes and times, the tokenizer and the settings, so only the first plan pays for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.formats import reports
+from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
+
+SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
+ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
+DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations", "weights",
+             "seed", "num_shards")
+
+
+@dataclass
+class SampledTokens:
+    conversations: dict[str, float]  # per shard: the conversations tokenize will read
+    tokens_per_conversation: float  # mean over the sample; a conversation tokenize drops counts 0
+    sample_size: int
+
+    def tokens(self, shard: str) -> int:
+        return round(self.conversations[shard] * self.tokens_per_conversation)
+
+    @property
+    def label(self) -> str:
+        return f"sample of {self.sample_size}"
+
+
+def sample_tokens(tokenizer: Any, conversations: list[dict[str, Any]], data: dict[str, Any]) -> list[int]:
+    """The tokens each conversation adds to its token shard, as the tokenize stage decides."""
+    from eagle3_pipeline.tokenization import character_bound, end_of_turn_marker, tokenize_or_drop
+
+    marker = end_of_turn_marker(tokenizer, data["end_of_turn"])
+    bound = character_bound(tokenizer, data["max_seq_len"])
+    return [tokenize_or_drop(tokenizer, c, marker, bound, data["max_seq_len"], data["overlength"]).kept_tokens
+            for c in conversations]
+
+
+# ---------------------------------------------------------------- samples
+
+def sample_from_shards(paths: list[Path], count: int, seed: int) -> tuple[list[int], list[dict[str, Any]]]:
+    """(conversations per shard, a seeded sample of them) from conversation shards (formats/conversation_shards)."""
+    lines = [[line for line in p.read_bytes().split(b"\n") if line.strip()] for p in paths]
+    pooled = [line for shard in lines for line in shard]  # shards are dealt round-robin: one population
+    chosen = sorted(random.Random(seed).sample(range(len(pooled)), min(count, len(pooled))))
+    return list(map(len, lines)), [json.loads(pooled[i]) for i in chosen]
+
+
+def record_reader(path: Path) -> tuple[int, Callable[[int], list[Any]]]:
+    """(records in the input, record index -> its RawRecord) with ingest's reader; only sampled records are
+    parsed, except in a one-line JSON array, which is parsed whole."""
+    from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_records_in, read_input
+
+    data = read_input(path)
+    slices = RecordSlices.of(data)
+    if slices is None:
+        records = list(iter_records_in(path, data, DropReport()))
+        return len(records), lambda index: [records[index]]
+    return len(slices), lambda index: list(iter_records_in(path, slices[index], DropReport()))
+
+
+@dataclass
+class InputSample:
+    name: str  # the input's file name: what data.weights are matched by
+    records: int
+    sampled: int
+    kept: list[dict[str, Any]]  # the sampled records ingest keeps, normalised
+
+
+def sample_from_raw(inputs: list[Path], count: int, seed: int) -> list[InputSample]:
+    """A seeded sample of each input's records, `count` in all, each input's share its share of the records
+    (an input's records are counted exactly, so only its keep rate and its tokens are sampled)."""
+    from eagle3_pipeline.conversations import normalize_record
+    from eagle3_pipeline.raw_records import DropReport
+
+    readers = [record_reader(path) for path in inputs]
+    total, rng, samples = sum(size for size, _ in readers), random.Random(seed), []
+    for path, (size, read) in zip(inputs, readers, strict=True):
+        share = min(size, max(1, round(count * size / total))) if size else 0
+        kept, report = [], DropReport()
+        for index in sorted(rng.sample(range(size), share)):
+            kept += [c for c in (normalize_record(r, report) for r in read(index)) if c is not None]
+        samples.append(InputSample(path.name, size, share, kept))
+    return samples
+
+
+def split_counts(total: int, num_shards: int) -> list[int]:
+    """Conversations per shard when ingest deals `total` round-robin (conversations.split)."""
+    return [total // num_shards + (shard < total % num_shards) for shard in range(num_shards)]
+
+
+def training_conversations(kept: float, weight_mean: float, data: dict[str, Any]) -> int:
+    """How many training conversations ingest writes out of `kept` ones: the held-out split first, then
+    data.train_conversations, then each repeated by its source's weight (on average `weight_mean`)."""
+    available = max(kept - data["eval_conversations"], 0)
+    train = min(data["train_conversations"], available) if data["train_conversations"] is not None else available
+    return round(train * weight_mean)
+
+
+# ---------------------------------------------------------------- the estimate
+
+@dataclass
+class TokenEstimator:
+    """The sampled estimate, made on first use (`estimate`); None where it cannot be made (`fallback`)."""
+
+    shards: list[str]
+    shard_paths: list[list[Path]]  # per shard: conversation files tokenize may read, in order of preference
+    inputs: list[Path]
+    data: dict[str, Any]
+    tokenizer: TokenizerSource
+    cache_dir: Path
+    may_compute: bool = True  # False: a cached estimate or none (e.g. inside a cluster job)
+    sample_size: int = SAMPLE_SIZE
+    fallback: str = ""
+
+    def sampled_shards(self) -> list[Path] | None:
+        """The conversation files to sample: the first kind every shard has; None before ingest."""
+        for choice in range(min(map(len, self.shard_paths), default=0)):
+            files = [paths[choice] for paths in self.shard_paths]
+            if all(f.is_file() for f in files):
+                return files
+        return None
+
+    def cache_key(self, shard_files: list[Path] | None) -> str:
+        where = [file_stamp(f) for f in shard_files] if shard_files else [file_stamp(p) for p in self.inputs]
+        weights = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
+        key = [ESTIMATE_VERSION, self.sample_size, self.shards, where, self.tokenizer.identity(),
+               {k: self.data.get(k) for k in DATA_KEYS}, weights]
+        return stable_hash(key)
+
+    @cached_property
+    def estimate(self) -> SampledTokens | None:
+        shard_files = self.sampled_shards()
+        cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files)}.json"
+        if cached.is_file():
+            return SampledTokens(**reports.read(cached))
+        if not self.may_compute:
+            self.fallback = "characters: no cached sample in this job"
+            return None
+        try:
+            tokenizer = self.tokenizer.load(self.cache_dir / "tokenizers" / stable_hash(self.tokenizer.identity()))
+        except NoTokenizer as exc:
+            self.fallback = "characters: no tokenizer"
+            print(f"Disk plan: the tokenizer of {self.tokenizer.source!r} cannot be loaded ({exc}); tokens are "
+                  f"estimated from characters", file=sys.stderr)
+            return None
+        print(f"Disk plan: tokenizing a sample of {self.sample_size} conversations with the target's tokenizer "
+              f"(once; cached under {self.cache_dir})", file=sys.stderr)
+        try:
+            result = self.from_shards(tokenizer, shard_files) if shard_files else self.from_raw(tokenizer)
+        except (OSError, ValueError) as exc:  # an unreadable input: the ingest job reports it properly
+            self.fallback = "characters: sample unreadable"
+            print(f"Disk plan: the sample could not be read ({exc}); tokens are estimated from characters",
+                  file=sys.stderr)
+            return None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            reports.write(cached, asdict(result))
+        except OSError:  # a read-only working directory: the next plan samples again
+            pass
+        return result
+
+    def from_shards(self, tokenizer: Any, files: list[Path]) -> SampledTokens:
+        counts, sample = sample_from_shards(files, self.sample_size, self.data["seed"])
+        tokens = sample_tokens(tokenizer, sample, self.data)
+        return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},
+                             sum(tokens) / max(len(tokens), 1), len(sample))
+
+    def from_raw(self, tokenizer: Any) -> SampledTokens:
+        samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
+        weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
+        kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
+        for sample in samples:
+            tokens = sample_tokens(tokenizer, sample.kept, self.data)
+            kept_records = sample.records * len(sample.kept) / max(sample.sampled, 1)
+            weight = float(weight_of.get(sample.name, 1.0))
+            kept += kept_records
+            weighted += weight * kept_records
+            weighted_tokens += weight * kept_records * sum(tokens) / max(len(tokens), 1)
+        total = training_conversations(kept, weighted / kept if kept else 0.0, self.data)
+        counts = split_counts(total, len(self.shards))
+        return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},
+                             weighted_tokens / weighted if weighted else 0.0, sum(s.sampled for s in samples))
+
+
+def stable_hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, default=str).encode()).hexdigest()[:20]
+
+
