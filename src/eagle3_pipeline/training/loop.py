@@ -153,7 +153,7 @@ def set_up(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_di
         persistent_workers=False, prefetch_factor=4 if settings.num_workers else None)
     log.info("training %d steps (%d batches/epoch over %d GPUs/processes), TTT %d steps, %d sequences",
              steps_total, len(schedule) // max(settings.epochs, 1), world, settings.ttt_steps,
-             sum(len(x) for x in schedule.lengths))
+             schedule.sequences_per_epoch)
     return TrainingRun(settings, model, objective, optimizer, scheduler, loader, trainable, device, world, start,
                        steps_total, epoch_end_steps, state_dir / train_state.CHECKPOINT_FILE,
                        state_dir / metrics.METRICS_FILE, selection)
