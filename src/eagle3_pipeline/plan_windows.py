@@ -56,13 +56,7 @@ class WindowPlan:
 
     @cached_property
     def groups(self) -> tuple[Group, ...]:
-        groups: list[Group] = []
-        for index, (_, window) in enumerate(self.passes):
-            if groups and groups[-1].window == window:
-                groups[-1] = Group(groups[-1].index, window, (*groups[-1].passes, index))
-            else:
-                groups.append(Group(len(groups), window, (index,)))
-        return tuple(groups)
+        return extraction_groups(self.passes)
 
     def group_of_pass(self, index: int) -> Group:
         return next(group for group in self.groups if index in group.passes)
@@ -97,6 +91,17 @@ class WindowPlan:
         out.append(f"  extra extraction work: {self.extraction_ratio:.2f}x ({len(self.groups)} window "
                    f"extractions for {len(self.windows)} windows)")
         return out
+
+
+def extraction_groups(passes: tuple[tuple[int, int], ...] | list[list[int]]) -> tuple[Group, ...]:
+    """Maximal runs of consecutive passes over the same window, from (epoch, window) per pass."""
+    groups: list[Group] = []
+    for index, (_, window) in enumerate(passes):
+        if groups and groups[-1].window == window:
+            groups[-1] = Group(groups[-1].index, window, (*groups[-1].passes, index))
+        else:
+            groups.append(Group(len(groups), window, (index,)))
+    return tuple(groups)
 
 
 def disk_mb(size: int) -> int:
