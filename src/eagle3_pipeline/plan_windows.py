@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
@@ -78,7 +79,8 @@ class WindowPlan:
                f"  {len(self.windows)} windows of consecutive shards:"]
         for window, shards in enumerate(self.windows):
             sizes_mb = [disk_mb(self.shard_bytes[shard]) for shard in shards]
-            out.append(f"    w{window}: shards {shards[0]}-{shards[-1]} ({len(shards)}), "
+            names = f"shard {shards[0]}" if len(shards) == 1 else f"shards {shards[0]}-{shards[-1]} ({len(shards)})"
+            out.append(f"    w{window}: {names}, "
                        f"{human_bytes(self.window_bytes(window))}; extract_window disk_mb "
                        f"{min(sizes_mb)}-{max(sizes_mb)} per shard")
         epochs = sorted({epoch for epoch, _ in self.passes})
@@ -149,3 +151,20 @@ def plan(shard_bytes: dict[str, int], heldout_bytes: int, budget_gb: float, epoc
     windows = group_windows(shard_bytes, heldout_bytes, budget)
     return WindowPlan(budget, tuple(windows), dict(shard_bytes), heldout_bytes,
                       tuple(pass_order(len(windows), epochs, seed)), exact)
+
+
+def heldout_tokens(token_shard: Path, conversations: Path, eval_conversations: int, max_seq_len: int
+                   ) -> tuple[int, bool]:
+    """(tokens of the held-out store, exact?): its token shard's count, else estimated from its conversations,
+    else at most every held-out conversation at full length."""
+    from eagle3_pipeline import plan as disk_plan
+    from eagle3_pipeline.formats import token_shards
+
+    if token_shard.is_dir():
+        try:
+            return int(token_shards.validate(token_shard)["num_tokens"]), True
+        except token_shards.InvalidTokenShard:
+            pass
+    if conversations.is_file():
+        return disk_plan.estimate_from_conversations(conversations, max_seq_len), False
+    return eval_conversations * max_seq_len, False

@@ -14,6 +14,7 @@ import torch
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import metrics, reports, zarr_io
 from eagle3_pipeline.plan import human_bytes
+from eagle3_pipeline.plan_windows import GB
 from eagle3_pipeline.stages.train import DATA_ERRORS, TrainSettings, data_error_line
 from eagle3_pipeline.training.loop import PassJob
 from eagle3_pipeline.training.windows import Windows, finish, train_pass
@@ -21,16 +22,21 @@ from eagle3_pipeline.training.windows import Windows, finish, train_pass
 STORE_BYTES_LINE = "hidden stores on disk at the start of pass"  # the line the budget's workflow test reads
 
 
-def stores_on_disk(windows_dir: Path, heldout: list[Path]) -> tuple[int, int]:
-    """(bytes under the windows' directory, bytes of the held-out stores): what the budget bounds."""
+def record_disk(log: logging.Logger, index: int, stores: tuple[Path, ...], windows_dir: Path, heldout: list[Path],
+                budget_bytes: int, output: Path) -> dict[str, Any]:
+    """Write (and log) what the budget bounds, as this pass starts: the hidden-store bytes on disk (every
+    window's directory and the held-out stores) and the size of each of this pass's stores."""
     windowed = zarr_io.directory_bytes(windows_dir) if windows_dir.is_dir() else 0
-    return windowed, sum(zarr_io.directory_bytes(p) for p in heldout)
-
-
-def log_disk(log: logging.Logger, index: int, windows_dir: Path, heldout: list[Path], budget_bytes: int) -> None:
-    windowed, held_out = stores_on_disk(windows_dir, heldout)
-    log.info("%s %d: %d bytes (windows %s, held-out %s; budget %s)", STORE_BYTES_LINE, index, windowed + held_out,
-             human_bytes(windowed), human_bytes(held_out), human_bytes(budget_bytes))
+    held_out = sum(zarr_io.directory_bytes(p) for p in heldout)
+    record = {"pass": index, "on_disk_bytes": windowed + held_out, "windows_bytes": windowed,
+              "heldout_bytes": held_out, "budget_bytes": budget_bytes,
+              "stores": {path.name.removeprefix("shard-").removesuffix(".zarr"):
+                         {"bytes": zarr_io.directory_bytes(path), "hidden_size": zarr_io.attrs(path)["hidden_size"]}
+                         for path in stores}}
+    log.info("%s %d: %d bytes (windows %s, held-out %s; budget %s)", STORE_BYTES_LINE, index,
+             record["on_disk_bytes"], human_bytes(windowed), human_bytes(held_out), human_bytes(budget_bytes))
+    reports.write(output, record)
+    return record
 
 
 def run_from_snakemake(snakemake: Any) -> None:
@@ -40,13 +46,15 @@ def run_from_snakemake(snakemake: Any) -> None:
     torch.set_num_threads(snakemake.threads)
     index = int(snakemake.wildcards.index)
     heldout = [Path(p) for p in snakemake.input.heldout]
-    log_disk(log, index, Path(params.windows_dir), heldout, int(params.budget_bytes))
+    budget_bytes = int(snakemake.config["plan"]["disk_budget_gb"] * GB)
+    record_disk(log, index, tuple(Path(p) for p in snakemake.input.stores), Path(params.windows_dir), heldout,
+                budget_bytes, Path(snakemake.output.record))
     windows = Windows(params.windows["windows"], params.windows["passes"],
                       dict(zip(params.shards, (Path(p) for p in snakemake.input.tokens), strict=True)),
                       params.window_store)
     previous = Path(snakemake.input.previous) if hasattr(snakemake.input, "previous") else None
     try:
-        train_pass(windows, PassJob(index, previous, Path(snakemake.output[0])), heldout, dict(params.extract),
+        train_pass(windows, PassJob(index, previous, Path(snakemake.output.checkpoint)), heldout, dict(params.extract),
                    Path(snakemake.input.target), Path(snakemake.input.vocab), state_dir,
                    TrainSettings.from_config(dict(params.settings)))
     except DATA_ERRORS as error:
