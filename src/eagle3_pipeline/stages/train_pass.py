@@ -22,6 +22,17 @@ from eagle3_pipeline.training.windows import Windows, finish, train_pass
 STORE_BYTES_LINE = "hidden stores on disk at the start of pass"  # the line the budget's workflow test reads
 
 
+def remove_stale_stores(log: logging.Logger, windows_dir: Path, stores: tuple[Path, ...]) -> None:
+    """Delete window stores other than this pass's: the window before was consumed (Snakemake deleted it) and
+    the next is extracted only after this pass, so any other store was left by an earlier window plan (the
+    token counts changed it) or a killed extraction, and no rule would ever delete it."""
+    keep = {Path(p).resolve() for p in stores}
+    for path in sorted(windows_dir.glob("x*/shard-*")) if windows_dir.is_dir() else []:
+        if path.resolve() not in keep:
+            log.warning("removing %s: not a store of this pass's window (left by an earlier plan or run)", path)
+            shutil.rmtree(path)
+
+
 def record_disk(log: logging.Logger, index: int, stores: tuple[Path, ...], windows_dir: Path, heldout: list[Path],
                 budget_bytes: int, output: Path) -> dict[str, Any]:
     """Write (and log) what the budget bounds, as this pass starts: the hidden-store bytes on disk (every
@@ -47,6 +58,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     index = int(snakemake.wildcards.index)
     heldout = [Path(p) for p in snakemake.input.heldout]
     budget_bytes = int(snakemake.config["plan"]["disk_budget_gb"] * GB)
+    remove_stale_stores(log, Path(params.windows_dir), tuple(Path(p) for p in snakemake.input.stores))
     record_disk(log, index, tuple(Path(p) for p in snakemake.input.stores), Path(params.windows_dir), heldout,
                 budget_bytes, Path(snakemake.output.record))
     windows = Windows(params.windows["windows"], params.windows["passes"],
