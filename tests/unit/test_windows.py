@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import plan_windows
 from eagle3_pipeline.formats import train_state
 from eagle3_pipeline.stages.train import TrainSettings
@@ -68,6 +69,14 @@ def test_the_plan_prints_windows_passes_groups_peak_and_extra_extraction():
     assert "peak hidden-store disk: 7.0 MB (largest window + held-out) vs budget 8.0 MB" in text
     assert "extra extraction work: 1.50x (3 window extractions for 2 windows)" in text
     assert not plan_windows.plan(shards(3, 3), 1 * MB, 1.0, epochs=2, seed=0, exact=False).windowed
+
+
+def test_under_windows_the_disk_plan_counts_the_peak_when_windows_are_extracted(tmp_path):
+    hidden = disk_plan.StagePlan("hidden", 4613, 3300, [disk_plan.ShardPlan(f"{i:05d}", 1000, True) for i in range(4)])
+    windowed = disk_plan.DiskPlan([hidden], tmp_path, free=10**12, hidden_peak=4_000_000)
+    assert windowed.pending == 4_000_000 and windowed.pending_for({"extract_window", "train_pass"}) == 4_000_000
+    assert windowed.pending_for({"extract", "train"}) == 0  # without extract_window no training store is written
+    assert "4.0 MB" in "\n".join(windowed.lines()) and "13.2 MB" in "\n".join(windowed.lines())
 
 
 # ---------------------------------------------------------------- training in passes
