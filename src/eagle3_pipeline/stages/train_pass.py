@@ -1,6 +1,6 @@
 """Rule `train_pass` (training under a disk budget, rules/windows.smk): one pass over one window's stores, from
-the previous pass's checkpoint to this pass's; and rule `train`'s last step in that mode: publish the weights.
-The training itself is training/windows.py."""
+the previous pass's checkpoint to this pass's (rule `train` then publishes the last one). The training itself is
+training/windows.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import logs
-from eagle3_pipeline.formats import metrics, reports, zarr_io
+from eagle3_pipeline.formats import reports, zarr_io
 from eagle3_pipeline.plan import human_bytes
 from eagle3_pipeline.plan_windows import GB
-from eagle3_pipeline.stages.train import DATA_ERRORS, TrainSettings, data_error_line
-from eagle3_pipeline.training.loop import PassJob
-from eagle3_pipeline.training.windows import Windows, finish, train_pass
+from eagle3_pipeline.training.loop import DATA_ERRORS, PassJob, data_error_line
+from eagle3_pipeline.training.windows import Windows, train_pass, train_settings
 
 STORE_BYTES_LINE = "hidden stores on disk at the start of pass"  # the line the budget's workflow test reads
 
@@ -68,18 +67,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     try:
         train_pass(windows, PassJob(index, previous, Path(snakemake.output.checkpoint)), heldout, dict(params.extract),
                    Path(snakemake.input.target), Path(snakemake.input.vocab), state_dir,
-                   TrainSettings.from_config(dict(params.settings)))
+                   train_settings(dict(params.settings)))
     except DATA_ERRORS as error:
         log.error("training stopped: %s", data_error_line(error))
         raise SystemExit(1) from None
-
-
-def finish_from_snakemake(snakemake: Any) -> None:
-    """Rule `train` under a disk budget: the last pass's checkpoint in, the usual outputs out."""
-    state_dir = Path(snakemake.params.state_dir)
-    logs.setup(snakemake.log[0], name="train", history=state_dir / "train.log")
-    reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
-    settings = TrainSettings.from_config(dict(snakemake.params.settings))
-    finish(Path(snakemake.input.last_pass), Path(snakemake.input.target), Path(snakemake.input.vocab), state_dir,
-           settings, Path(snakemake.output.weights), Path(snakemake.output.summary), bool(snakemake.input.heldout))
-    shutil.copyfile(state_dir / metrics.METRICS_FILE, snakemake.output.metrics)

@@ -18,7 +18,7 @@ from eagle3_pipeline.drafter.batches import BatchSchedule, to_device
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
 from eagle3_pipeline.families import final_logit_softcap
-from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state
+from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state, zarr_io
 from eagle3_pipeline.formats.target_dir import read_config, read_head
 from eagle3_pipeline.runtime.devices import process_device
 from eagle3_pipeline.training.resume import is_main_process, run_fingerprint, save_checkpoint, starting_point
@@ -28,6 +28,18 @@ if TYPE_CHECKING:
     from eagle3_pipeline.stages.train import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")  # the train job's log names, as before the split
+
+
+# Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
+DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)
+
+
+def data_error_line(error: Exception) -> str:
+    """The error's own line; a DataLoader worker's error arrives with the worker's traceback prepended and
+    its own `module.Class: message` line last."""
+    last = str(error).strip().splitlines()[-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last.removeprefix(prefix)
 
 
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,

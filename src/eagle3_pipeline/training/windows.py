@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("eagle3_pipeline.stages.train")
 
 
+def train_settings(section: dict[str, Any]) -> TrainSettings:
+    """The `train` section as training settings, for the train_pass job (a stage may not import another)."""
+    from eagle3_pipeline.stages.train import TrainSettings
+
+    return TrainSettings.from_config(section)
+
+
 @dataclass(frozen=True)
 class Windows:
     """The window plan as the rules pass it (plan_windows.WindowPlan.as_dict) and where its stores live."""
