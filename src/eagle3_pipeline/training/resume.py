@@ -1,5 +1,6 @@
 """What a training checkpoint may be resumed for: the run's fingerprint (settings that change the weights,
-world size, store, vocab and target identities), the checkpoint with its RNG states, and starting over."""
+world size, store, vocab and target identities), the checkpoint with its RNG states, and starting over; under a
+disk budget, the checkpoint a pass starts from (its own periodic one after a kill, else the pass before's)."""
 
 from __future__ import annotations
 
@@ -155,9 +156,8 @@ def starting_point(state_dir: Path, data: TrainingData, pass_job: PassJob | None
         return start, steps_total, state_dir / train_state.CHECKPOINT_FILE
     if dist.is_initialized():
         raise ValueError("training in windows (plan.disk_budget_gb) runs in one process (train.gpus <= 1)")
-    ends = data.schedule.segment_ends
-    first, last = (min(ends[pass_job.index - 1], steps_total) if pass_job.index else 0,
-                   min(ends[pass_job.index], steps_total))
+    ends = [0, *data.schedule.segment_ends]  # one process: step s trains batch s - 1
+    first, last = min(ends[pass_job.index], steps_total), min(ends[pass_job.index + 1], steps_total)
     checkpoint = pass_checkpoint(state_dir, data.fingerprint, first, last, pass_job.previous)
     start = resume(state_dir, checkpoint, data.fingerprint, *training)
     log.info("pass %d trains steps %d-%d of %d", pass_job.index, first + 1, last, steps_total)
