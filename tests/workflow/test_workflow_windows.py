@@ -21,9 +21,12 @@ DISK_REPORT = f"{RESULTS}/reports/disk_plan_vs_actual.json"
 SMOLLM2_HIDDEN_SIZE = 576
 
 
-def planned_bytes(workdir, shard: str, compression: float) -> int:
+def planned_bytes(workdir, shard: str, config: dict) -> int:
+    """What the disk plan expects of a shard's hidden store (the config's compression, else its store dtype's)."""
     tokens = token_shards.validate(workdir / f"{RESULTS}/tokens/shard-{shard}.zarr")["num_tokens"]
-    return int(tokens * plan.hidden_bytes_per_token(SMOLLM2_HIDDEN_SIZE, compression)[1])
+    per_token = plan.hidden_bytes_per_token(SMOLLM2_HIDDEN_SIZE, config["plan"].get("expected_compression"),
+                                            config["extract"].get("store_dtype", "bfloat16"))[1]
+    return int(tokens * per_token)
 
 
 @pytest.fixture
@@ -36,9 +39,8 @@ def tokenized(tmp_path, target_dir):
     config["train"] = {**config["train"], "epochs": 2, "checkpoint_every": 2}
     run_snakemake(workdir, config, *(f"{RESULTS}/tokens/shard-{s}.zarr" for s in ("00000", "00001", "heldout")),
                   f"{RESULTS}/vocab/draft_vocab.safetensors")
-    compression = config["plan"]["expected_compression"]
-    shards = [planned_bytes(workdir, s, compression) for s in ("00000", "00001")]
-    heldout = planned_bytes(workdir, "heldout", compression)
+    shards = [planned_bytes(workdir, s, config) for s in ("00000", "00001")]
+    heldout = planned_bytes(workdir, "heldout", config)
     budget = heldout + int(1.35 * max(shards))
     assert budget < heldout + sum(shards)
     config["plan"] = {**config["plan"], "disk_budget_gb": budget / 1e9}
