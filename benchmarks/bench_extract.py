@@ -21,8 +21,9 @@ import torch
 
 from eagle3_pipeline import plan
 from eagle3_pipeline.formats import hidden_store, token_shards, zarr_io
+from eagle3_pipeline.formats.hidden_store import storage_order
 from eagle3_pipeline.runtime.backends.hf import HFBackend, pick_device, pick_dtype
-from eagle3_pipeline.stages.extract import extract_shard, plan_batches, storage_order
+from eagle3_pipeline.stages.extract import extract_shard, plan_batches
 from eagle3_pipeline.tokenization import TokenizedConversation
 
 log = logging.getLogger("bench")

@@ -152,14 +152,13 @@ def hidden_store_mb(wildcards):
     return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000)
 
 
-if is_dry_run():
-    print("\n".join(current_plan().lines()), file=sys.stderr)
+# `snakemake -n` prints the disk plan from rules/windows.smk, once the disk budget's window plan is known.
 
 
 onstart:
     plan_now = current_plan()
     rules_now = rules_to_run()
-    print("\n".join(plan_now.lines(rules_now)), file=sys.stderr)
+    print("\n".join([*plan_now.lines(rules_now), *window_plan_lines()]), file=sys.stderr)
     if plan_now.blind_for(rules_now):
         raise SystemExit(
             "Refusing to start: extraction would write hidden states of unknown size (the target is not local). "

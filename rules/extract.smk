@@ -48,7 +48,7 @@ rule extract:
 
 rule disk_report:
     input:
-        stores=expand(HIDDEN_STORE, shard=SHARDS),
+        unpack(disk_report_inputs),  # the stores, or under a disk budget the passes' records (rules/windows.smk)
         tokens=expand(TOKEN_SHARD, shard=SHARDS),
     output:
         DISK_REPORT,

@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        stores=expand(HIDDEN_STORE, shard=SHARDS),
+        unpack(training_inputs),  # every store, or under a disk budget the last pass (rules/windows.smk)
         heldout=heldout_stores,
         vocab=DRAFT_VOCAB,
         target=TARGET_DIR,

@@ -178,13 +178,20 @@ class DiskPlan:
     fixed: list[FixedStage] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     hidden_size_unknown: bool = False
+    hidden_peak: int | None = None  # under a disk budget's windows: the most hidden-store bytes at once
 
     def _needed(self, stage: str, rules: set[str] | None) -> bool:
-        return rules is None or STAGE_RULES[stage] in rules
+        rule = "extract_window" if stage == "hidden" and self.hidden_peak is not None else STAGE_RULES[stage]
+        return rules is None or rule in rules
+
+    def _pending(self, stage: StagePlan | FixedStage) -> int:
+        if stage.stage == "hidden" and self.hidden_peak is not None:  # written and deleted window by window
+            return min(stage.pending_bytes, self.hidden_peak)
+        return stage.pending_bytes
 
     def pending_for(self, rules: set[str] | None = None) -> int:
         """Bytes still to write by the stages whose rules will run (all stages when `rules` is None)."""
-        return sum(s.pending_bytes for s in [*self.stages, *self.fixed] if self._needed(s.stage, rules))
+        return sum(self._pending(s) for s in [*self.stages, *self.fixed] if self._needed(s.stage, rules))
 
     @property
     def pending(self) -> int:
@@ -207,7 +214,7 @@ class DiskPlan:
                f"{'total':>11} {'to write':>11}  source"]
         for stage in self.stages:
             per_shard = stage.total_bytes / max(len(stage.shards), 1)
-            pending = human_bytes(stage.pending_bytes) if self._needed(stage.stage, rules) else "not run"
+            pending = human_bytes(self._pending(stage)) if self._needed(stage.stage, rules) else "not run"
             out.append(f"  {stage.stage:<10} {stage.tokens:>14,} {stage.raw_bytes_per_token:>10.1f} "
                        f"{stage.expected_bytes_per_token:>10.1f} {human_bytes(per_shard):>11} "
                        f"{human_bytes(stage.total_bytes):>11} {pending:>11}  {stage.source}")

@@ -4,6 +4,7 @@ with extraction (stages/extract.plan_batches)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -43,47 +44,76 @@ def padded_width(length: int, multiple: int) -> int:
     return -(-int(length) // multiple) * multiple
 
 
-def epoch_batches(lengths: list[np.ndarray], settings: PackingSettings, epoch: int) -> list[list[tuple[int, int]]]:
-    """One epoch's batches of (store, sequence) items, a pure function of (seed, epoch): shuffle, then sort by
-    length inside windows of about GROUP_BATCHES batches before packing, then shuffle the batches. Batches hold
-    sequences of similar length (little padding) while every epoch still mixes the whole data set."""
+def epoch_batches(lengths: list[np.ndarray], settings: PackingSettings, epoch: int,
+                  window: int | None = None) -> list[list[tuple[int, int]]]:
+    """One epoch's batches of (store, sequence) items, a pure function of (seed, epoch[, window]): shuffle, then
+    sort by length inside windows of about GROUP_BATCHES batches before packing, then shuffle the batches. Batches
+    hold sequences of similar length (little padding) while every epoch still mixes the whole data set (or, with
+    a disk budget, the whole window of shards)."""
     items = [(s, j) for s, store_lengths in enumerate(lengths) for j in range(len(store_lengths))]
     widths = [padded_width(lengths[s][j], settings.pad_multiple) for s, j in items]
-    rng = np.random.default_rng([settings.seed, epoch])
+    rng = np.random.default_rng([settings.seed, epoch] + ([] if window is None else [window]))
     order = rng.permutation(len(items))
     mean_width = max(1.0, float(np.mean(widths))) if items else 1.0
-    window = max(1, int(GROUP_BATCHES * settings.batch_tokens / mean_width))
+    group_size = max(1, int(GROUP_BATCHES * settings.batch_tokens / mean_width))
     batches: list[list[tuple[int, int]]] = []
-    for start in range(0, len(order), window):
-        group = sorted(order[start:start + window], key=lambda i: -widths[i])  # stable: ties keep shuffled order
+    for start in range(0, len(order), group_size):
+        group = sorted(order[start:start + group_size], key=lambda i: -widths[i])  # stable: ties keep shuffled order
         batches += [[items[group[m]] for m in members]
                     for members in pack_greedy([widths[i] for i in group], settings.batch_tokens)]
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the schedule: one epoch over some stores (all of them; with a disk budget, one window's).
+    `lengths` are the stores' sequence lengths in store order, known without opening a store."""
+    epoch: int
+    window: int | None  # None: the whole data set (the batches' random key is (seed, epoch))
+    paths: tuple[Path, ...]
+    lengths: tuple[np.ndarray, ...]
+
+
+def store_lengths(path: Path, max_seq_len: int) -> np.ndarray:
+    return np.minimum(hidden_store.HiddenStore(path).lengths(), max_seq_len)
+
+
 class BatchSchedule(torch.utils.data.Dataset):
     """Item i is training batch i: a deterministic function of (seed, epoch), so a resumed run sees the
-    same batches, and DataLoader workers read the zarr stores in parallel."""
+    same batches, and DataLoader workers read the zarr stores in parallel. Built from stores (every epoch over
+    all of them) or from segments (a disk budget's passes); a store is opened only when a batch reads it."""
 
-    def __init__(self, store_paths: list[Path], settings: PackingSettings):
-        self.paths = [Path(p) for p in store_paths]
+    def __init__(self, store_paths: list[Path], settings: PackingSettings, segments: list[Segment] | None = None):
+        if segments is None:
+            paths = tuple(Path(p) for p in store_paths)
+            lengths = tuple(store_lengths(p, settings.max_seq_len) for p in paths)
+            segments = [Segment(epoch, None, paths, lengths) for epoch in range(settings.epochs)]
         self.settings = settings
-        self.stores: list[hidden_store.HiddenStore] | None = None  # opened lazily, once per worker
-        self.lengths = [np.minimum(hidden_store.HiddenStore(p).lengths(), settings.max_seq_len) for p in self.paths]
+        self.paths = list(dict.fromkeys(p for segment in segments for p in segment.paths))
+        self.sequences_per_epoch = sum(len(x) for segment in segments if segment.epoch == 0 for x in segment.lengths)
+        self.stores: dict[int, hidden_store.HiddenStore] = {}  # opened lazily, once per worker
         self.batches: list[list[tuple[int, int]]] = []
+        self.segment_ends: list[int] = []  # batch count at the end of each segment
         self.epoch_ends: list[int] = []  # batch count at the end of each epoch
-        for epoch in range(settings.epochs):
-            self.batches += epoch_batches(self.lengths, settings, epoch)
-            self.epoch_ends.append(len(self.batches))
+        for index, segment in enumerate(segments):
+            where = [self.paths.index(p) for p in segment.paths]
+            self.batches += [[(where[s], j) for s, j in batch] for batch in
+                             epoch_batches(list(segment.lengths), settings, segment.epoch, segment.window)]
+            self.segment_ends.append(len(self.batches))
+            if index + 1 == len(segments) or segments[index + 1].epoch != segment.epoch:
+                self.epoch_ends.append(len(self.batches))
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self.stores is None:
-            self.stores = [hidden_store.HiddenStore(p, validate_store=False) for p in self.paths]
-        sequences = [self.stores[s].sequence(j) for s, j in self.batches[index]]
+        sequences = [self.store(s).sequence(j) for s, j in self.batches[index]]
         return collate(sequences, self.settings.max_seq_len, self.settings.pad_multiple)
+
+    def store(self, index: int) -> hidden_store.HiddenStore:
+        if index not in self.stores:
+            self.stores[index] = hidden_store.HiddenStore(self.paths[index], validate_store=False)
+        return self.stores[index]
 
 
 # a sequence's arrays (formats/hidden_store) -> the batch's keys; the scales come with fp8 stores only

@@ -116,3 +116,17 @@ def validate(path: Path) -> dict[str, Any]:
     if problems:
         raise InvalidTokenShard(f"{path}: " + "; ".join(problems))
     return attrs
+
+
+def identity(path: Path) -> str:
+    """A content hash of a complete shard (attrs and every array): what a hidden store extracted from it holds
+    follows from it, the target and the extract settings."""
+    import hashlib
+    import json
+
+    shard = read(path)
+    digest = hashlib.sha256(json.dumps(shard.attrs, sort_keys=True, default=str).encode())
+    for array in (shard.input_ids, shard.loss_mask, shard.seq_offsets):
+        digest.update(np.ascontiguousarray(array))
+    digest.update("\0".join(shard.sample_ids).encode())
+    return digest.hexdigest()

@@ -15,6 +15,7 @@ import torch
 from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.batches import pack_greedy
 from eagle3_pipeline.formats import hidden_store, token_shards
+from eagle3_pipeline.formats.hidden_store import storage_order
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime import backends
@@ -46,11 +47,6 @@ class Batch:
     sequences: list[int]  # indices into the store's (length-sorted) order
     start_row: int
     end_row: int
-
-
-def storage_order(lengths: np.ndarray) -> np.ndarray:
-    """Longest first (an out-of-memory shows up at once), ties by original index: deterministic."""
-    return np.lexsort((np.arange(len(lengths)), -lengths))
 
 
 def plan_batches(sorted_lengths: np.ndarray, token_budget: int) -> list[Batch]:

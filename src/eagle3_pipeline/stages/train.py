@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from eagle3_pipeline import logs
-from eagle3_pipeline.formats import drafter_weights, hidden_store, jobs, metrics, reports, zarr_io
-from eagle3_pipeline.training.loop import train
+from eagle3_pipeline.formats import drafter_weights, jobs, metrics, reports
+from eagle3_pipeline.training import windows
+from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line, train
 from eagle3_pipeline.training.selection import summary
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ class TrainSettings:
 
 # ---------------------------------------------------------------- the rule's job: one process, or torchrun
 
-# Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
-DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)
 
 
 @dataclass(frozen=True)
@@ -94,14 +93,6 @@ class TrainJob:
                    heldout=tuple(Path(p) for p in values.get("heldout", [])),
                    **{key: Path(values[key]) for key in ("target", "vocab", "state_dir", "weights", "summary", "log")},
                    settings=TrainSettings.from_config(values["settings"]))
-
-
-def data_error_line(error: Exception) -> str:
-    """The error's own line; a DataLoader worker's error arrives with the worker's traceback prepended and
-    its own `module.Class: message` line last."""
-    last = str(error).strip().splitlines()[-1]
-    prefix = f"{type(error).__module__}.{type(error).__name__}: "
-    return last.removeprefix(prefix)
 
 
 def run_process(job: TrainJob) -> None:
@@ -149,6 +140,8 @@ def run(job: TrainJob, gpus: int, metrics_output: Path) -> None:
 
 def run_from_snakemake(snakemake: Any) -> None:
     torch.set_num_threads(snakemake.threads)
+    if hasattr(snakemake.input, "last_pass"):  # trained in windows under a disk budget: publish the last pass
+        return publish_windowed(snakemake)
     reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
     job = TrainJob(stores=tuple(Path(p) for p in snakemake.input.stores),
                    heldout=tuple(Path(p) for p in snakemake.input.heldout), target=Path(snakemake.input.target),
@@ -156,6 +149,17 @@ def run_from_snakemake(snakemake: Any) -> None:
                    weights=Path(snakemake.output.weights), summary=Path(snakemake.output.summary),
                    log=Path(snakemake.log[0]), settings=TrainSettings.from_config(dict(snakemake.params.settings)))
     run(job, int(snakemake.resources.get("gpu", 0)), Path(snakemake.output.metrics))
+
+
+def publish_windowed(snakemake: Any) -> None:
+    """Rule `train` under a disk budget: the last pass's checkpoint in (rules/windows.smk), the usual outputs out."""
+    state_dir = Path(snakemake.params.state_dir)
+    logs.setup(snakemake.log[0], name="train", history=state_dir / "train.log")
+    reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
+    windows.finish(Path(snakemake.input.last_pass), Path(snakemake.input.target), Path(snakemake.input.vocab),
+                   state_dir, TrainSettings.from_config(dict(snakemake.params.settings)),
+                   Path(snakemake.output.weights), Path(snakemake.output.summary), bool(snakemake.input.heldout))
+    shutil.copyfile(state_dir / metrics.METRICS_FILE, snakemake.output.metrics)
 
 
 if __name__ == "__main__":

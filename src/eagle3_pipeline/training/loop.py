@@ -18,22 +18,28 @@ from eagle3_pipeline.drafter.batches import BatchSchedule, to_device
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, count_flops_per_token
 from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_loss
 from eagle3_pipeline.families import final_logit_softcap
-from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state
+from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state, zarr_io
 from eagle3_pipeline.formats.target_dir import read_config, read_head
 from eagle3_pipeline.runtime.devices import process_device
-from eagle3_pipeline.training.resume import (
-    resumable_checkpoint,
-    run_fingerprint,
-    save_checkpoint,
-    set_rng_state,
-    start_fresh,
-)
+from eagle3_pipeline.training.resume import is_main_process, run_fingerprint, save_checkpoint, starting_point
 from eagle3_pipeline.training.selection import HeldoutSelection
 
 if TYPE_CHECKING:
     from eagle3_pipeline.stages.train import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")  # the train job's log names, as before the split
+
+
+# Bad data, not a bug: one line naming store, array and chunk (or what is wrong), not a traceback.
+DATA_ERRORS = (hidden_store.InvalidStore, zarr_io.CorruptChunk)
+
+
+def data_error_line(error: Exception) -> str:
+    """The error's own line; a DataLoader worker's error arrives with the worker's traceback prepended and
+    its own `module.Class: message` line last."""
+    last = str(error).strip().splitlines()[-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last.removeprefix(prefix)
 
 
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,
@@ -69,10 +75,6 @@ def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir: Path,
           settings: TrainSettings, stop_after_step: int | None = None,
           heldout_paths: list[Path] | None = None) -> Drafter:
@@ -80,11 +82,42 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
 
     With `heldout_paths`, the offline acceptance estimate runs after every epoch and the returned weights are
     those with the best estimate (see HeldoutSelection)."""
-    run = set_up(store_paths, target_dir, vocab_path, state_dir, settings, heldout_paths)
+    data = whole_store_data(store_paths, heldout_paths or [], target_dir, vocab_path, settings)
+    run = set_up(data, target_dir, vocab_path, state_dir, settings, heldout_paths)
     loop(run, stop_after_step)
     if run.selection and stop_after_step is None:
         run.selection.restore_best(run.model)
     return run.model
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What a run trains on: its batch schedule, the stores' aux layers, and its fingerprint (what decides the
+    weights; a checkpoint is resumed only under the same one)."""
+    schedule: BatchSchedule
+    aux_layer_ids: list[int]
+    fingerprint: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PassJob:
+    """One pass of training under a disk budget (segment `index` of the schedule), from the checkpoint the pass
+    before ended with (`previous`; None for the first pass) to `output`."""
+    index: int
+    previous: Path | None
+    output: Path
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def whole_store_data(store_paths: list[Path], heldout_paths: list[Path], target_dir: Path, vocab_path: Path,
+                     settings: TrainSettings) -> TrainingData:
+    aux_layer_ids = aux_layers_of(store_paths)
+    # the held-out stores choose which epoch's weights are returned, so they are part of what decides them
+    fingerprint = run_fingerprint([*store_paths, *heldout_paths], target_dir, vocab_path, settings, world_size())
+    return TrainingData(BatchSchedule(store_paths, settings), aux_layer_ids, fingerprint)
 
 
 @dataclass
@@ -100,9 +133,11 @@ class TrainingRun:
     device: torch.device
     world: int
     start: int
+    end: int  # the step this job stops at: the run's last, or its pass's last
     steps_total: int
     epoch_end_steps: dict[int, int]
-    checkpoint_path: Path
+    checkpoint_path: Path  # the periodic checkpoint (the state dir's)
+    final_checkpoint_path: Path  # where the job's last step is saved: the periodic one's place, or the pass output
     metrics_path: Path
     selection: HeldoutSelection | None
 
@@ -115,17 +150,16 @@ def aux_layers_of(store_paths: list[Path]) -> list[int]:
     return aux_layer_ids
 
 
-def set_up(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir: Path, settings: TrainSettings,
-           heldout_paths: list[Path] | None) -> TrainingRun:
-    aux_layer_ids = aux_layers_of(store_paths)
+def set_up(data: TrainingData, target_dir: Path, vocab_path: Path, state_dir: Path, settings: TrainSettings,
+           heldout_paths: list[Path] | None, pass_job: PassJob | None = None) -> TrainingRun:
     device = process_device(settings.device)
     distributed = dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    model = build_drafter(target_dir, vocab_path, aux_layer_ids, settings.seed,
+    model = build_drafter(target_dir, vocab_path, data.aux_layer_ids, settings.seed,
                           settings.drafter_intermediate_size).to(device)
     attention = choose_ttt_attention(settings.attention, device, log)
     teacher = build_teacher(target_dir, model, device)
-    schedule = BatchSchedule(store_paths, settings)
+    schedule = data.schedule
     steps_total = len(schedule) // world
     if settings.max_steps:
         steps_total = min(steps_total, settings.max_steps)
@@ -135,9 +169,7 @@ def set_up(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_di
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, settings.warmup_steps, steps_total))
     state_dir.mkdir(parents=True, exist_ok=True)
-    # the held-out stores choose which epoch's weights are returned, so they are part of what decides them
-    fingerprint = run_fingerprint([*store_paths, *(heldout_paths or [])], target_dir, vocab_path, settings, world)
-    start = resume(state_dir, fingerprint, steps_total, model, optimizer, scheduler, distributed)
+    start, end, final = starting_point(state_dir, data, pass_job, steps_total, (model, optimizer, scheduler))
     selection = HeldoutSelection(heldout_paths, settings, teacher.lm_head, state_dir, start, device, attention) \
         if heldout_paths and is_main_process() else None
     # step s consumes batches (s-1)*world .. s*world-1: an epoch's last batch is in step ceil(end / world)
@@ -149,36 +181,14 @@ def set_up(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_di
         objective = torch.nn.parallel.DistributedDataParallel(objective)
     loader = torch.utils.data.DataLoader(
         schedule, batch_size=None, num_workers=settings.num_workers, pin_memory=device.type == "cuda",
-        sampler=range(start * world + rank, steps_total * world, world),
+        sampler=range(start * world + rank, end * world, world),
         persistent_workers=False, prefetch_factor=4 if settings.num_workers else None)
     log.info("training %d steps (%d batches/epoch over %d GPUs/processes), TTT %d steps, %d sequences",
              steps_total, len(schedule) // max(settings.epochs, 1), world, settings.ttt_steps,
-             sum(len(x) for x in schedule.lengths))
+             schedule.sequences_per_epoch)
     return TrainingRun(settings, model, objective, optimizer, scheduler, loader, trainable, device, world, start,
-                       steps_total, epoch_end_steps, state_dir / train_state.CHECKPOINT_FILE,
+                       end, steps_total, epoch_end_steps, state_dir / train_state.CHECKPOINT_FILE, final,
                        state_dir / metrics.METRICS_FILE, selection)
-
-
-def resume(state_dir: Path, fingerprint: dict[str, Any], steps_total: int, model: Drafter, optimizer: Any,
-           scheduler: Any, distributed: bool) -> int:
-    """The step to start from: the checkpoint's, loaded into model, optimizer, scheduler and RNGs, or 0."""
-    checkpoint_path, metrics_path = state_dir / train_state.CHECKPOINT_FILE, state_dir / metrics.METRICS_FILE
-    start = 0
-    checkpoint = resumable_checkpoint(state_dir, fingerprint, steps_total)
-    if distributed:
-        dist.barrier()  # every rank has read the checkpoint before the main process may discard it
-    if checkpoint is None and is_main_process():
-        start_fresh(state_dir, fingerprint)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"], strict=False)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        set_rng_state(checkpoint["rng"])
-        start = checkpoint["step"]
-        log.info("resuming from %s at step %d of %d", checkpoint_path, start, steps_total)
-    if is_main_process():
-        metrics.truncate(metrics_path, start)
-    return start
 
 
 def loop(run: TrainingRun, stop_after_step: int | None) -> None:
@@ -216,14 +226,14 @@ def loop(run: TrainingRun, stop_after_step: int | None) -> None:
             run.selection.evaluate(model, step, run.epoch_end_steps[step])
             model.train()
             tick = time.perf_counter()
-        if step % settings.checkpoint_every == 0 and step < run.steps_total and is_main_process():
+        if step % settings.checkpoint_every == 0 and step < run.end and is_main_process():
             save_checkpoint(run.checkpoint_path, model, optimizer, scheduler, step, settings)
         if stop_after_step is not None and step >= stop_after_step:
             if is_main_process():
                 save_checkpoint(run.checkpoint_path, model, optimizer, scheduler, step, settings)
             return
     if is_main_process():
-        save_checkpoint(run.checkpoint_path, model, optimizer, scheduler, step, settings)
+        save_checkpoint(run.final_checkpoint_path, model, optimizer, scheduler, step, settings)
 
 
 def with_feature_noise(aux: torch.Tensor, relative_std: float) -> torch.Tensor:

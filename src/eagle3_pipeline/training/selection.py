@@ -68,12 +68,18 @@ class HeldoutSelection:
             drafter_weights.write_best(self.best_path, weights, step, tau)
 
     def restore_best(self, model: Drafter) -> None:
-        if not self.best_path.exists():
-            return
-        log.info("keeping the weights of step %d: best held-out tau at k=%d, %.3f", self.best_step,
-                 self.settings.heldout_select_k, self.best_tau)
-        model.load_state_dict(drafter_weights.read_weights(self.best_path, str(next(model.parameters()).device)),
-                              strict=False)
+        restore_best(model, self.best_path.parent, self.settings)
+
+
+def restore_best(model: Drafter, state_dir: Path, settings: TrainSettings) -> None:
+    """Load the weights the held-out selection kept into `model` (none kept: leave it as it is)."""
+    path = state_dir / drafter_weights.BEST_WEIGHTS_FILE
+    best = drafter_weights.read_best(path)
+    if best is None:
+        return
+    log.info("keeping the weights of step %d: best held-out tau at k=%d, %.3f", best[0], settings.heldout_select_k,
+             best[1])
+    model.load_state_dict(drafter_weights.read_weights(path, str(next(model.parameters()).device)), strict=False)
 
 
 def summary(state_dir: Path, settings: TrainSettings) -> dict[str, Any]:

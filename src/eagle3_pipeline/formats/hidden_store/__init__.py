@@ -77,6 +77,12 @@ def store_dtype_of(attrs: dict[str, Any]) -> str:
     return attrs.get("hidden_dtype", "bfloat16")  # a version-2 store holds bf16 bits
 
 
+def storage_order(lengths: np.ndarray) -> np.ndarray:
+    """The store's order of its token shard's sequences: longest first (an out-of-memory shows up at once), ties
+    by index. Deterministic: training knows a store's lengths before the store exists."""
+    return np.lexsort((np.arange(len(lengths)), -lengths))
+
+
 # ---------------------------------------------------------------- reading and validation
 
 class HiddenStore:
