@@ -28,8 +28,9 @@ dry-run: $(STAMP)
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
+# The 20 slowest tests are printed with the result, to see where the time goes; -m 'not slow' for a quick loop.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests benchmarks tools

@@ -1,8 +1,10 @@
-"""Helpers of the unit tests: tiny random-weight Llama targets built in memory (for hook/parity and model tests)
-and a real target directory with a token shard, its hidden-state store and a draft vocab."""
+"""Helpers of the unit tests: tiny random-weight Llama targets built in memory (for hook/parity and model tests),
+a real target directory with a token shard, its hidden-state store and a draft vocab, and one drafter trained on it
+that the decoding tests share (`trained_tiny`)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,6 +77,13 @@ def trained_tiny_drafter(tmp_path):
     drafter = drafting.load_served_for(target_dir, tmp_path / "serving", torch.float32)
     target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
     return target, drafter, store
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """`trained_tiny_drafter`, trained once per session: the decoding tests only read it (each builds the runtimes
+    and proposers it needs around the shared target model and drafter)."""
+    return trained_tiny_drafter(tmp_path_factory.mktemp("trained-tiny"))
 
 
 def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):

@@ -14,7 +14,7 @@ from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.stages import evaluate, evaluate_timing
 from eagle3_pipeline.workflow_config import schema_defaults
-from tests.unit.conftest import smollm2_serving_dir, trained_tiny_drafter
+from tests.unit.conftest import smollm2_serving_dir
 
 
 def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
@@ -45,14 +45,9 @@ def test_prompt_lookup_copies_what_followed_the_last_match():
     assert propose([1, 2, 3], torch.zeros(0), 3) == []
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return trained_tiny_drafter(tmp_path_factory.mktemp("eval"))
-
-
 @pytest.mark.parametrize("k", [1, 4, 7])
-def test_every_method_is_lossless(trained, k):
-    target, drafter, store = trained
+def test_every_method_is_lossless(trained_tiny, k):
+    target, drafter, store = trained_tiny
     from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
@@ -112,8 +107,8 @@ def vllm_style_chain(drafter, context: list[int], features: torch.Tensor, k: int
 
 
 @torch.inference_mode()
-def test_chain_positions_match_a_vllm_style_rule(trained):
-    target, drafter, store = trained
+def test_chain_positions_match_a_vllm_style_rule(trained_tiny):
+    target, drafter, store = trained_tiny
     from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
@@ -140,10 +135,10 @@ def test_chain_positions_match_a_vllm_style_rule(trained):
 
 
 @torch.inference_mode()
-def test_a_prompt_goes_into_the_static_cache_in_chunks_of_one_shape(trained, monkeypatch):
+def test_a_prompt_goes_into_the_static_cache_in_chunks_of_one_shape(trained_tiny, monkeypatch):
     """Prompts of any length write their rows in forwards of PROMPT_CHUNK rows (the last one padded), so a prompt of
     a new length meets no new shape inside a timed decode; the chain after it drafts what vLLM's rule drafts."""
-    target, drafter, store = trained
+    target, drafter, store = trained_tiny
     from eagle3_pipeline.formats.hidden_store import HiddenStore
 
     widths = []
@@ -168,14 +163,15 @@ def test_a_prompt_goes_into_the_static_cache_in_chunks_of_one_shape(trained, mon
         assert drafts.tolist() == vllm_style_chain(drafter, ids[:n + 5], features[:n + 4], k)[0]
 
 
+@pytest.mark.slow
 @torch.inference_mode()
-def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained):
+def test_the_fused_chain_drafts_what_the_eager_chain_drafts(trained_tiny):
     """On a GPU the captured chain records `fused(chain_drafts)` (inductor's kernels); here the same compiled
     function runs on the CPU against the eager one, from a fresh static cache each time."""
     from eagle3_pipeline.formats.hidden_store import HiddenStore
     from eagle3_pipeline.runtime.draft_graph import chain_drafts, fused
 
-    target, drafter, store = trained
+    target, drafter, store = trained_tiny
     ids = HiddenStore(store).sequence(1)["input_ids"][:30].tolist()
     _, features = target.forward(ids, target.new_cache(len(ids)))
     k, n = 3, 20
@@ -207,6 +203,7 @@ def test_low_precision_counts_divergence_where_fp32_raises():
     assert summary["eagle3@k=2"]["tau"] == 6 / 3  # from the method's own run
 
 
+@pytest.mark.slow
 def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
     prompts = [Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
@@ -225,6 +222,7 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
         assert set(result["summary"][method]["first_divergence"]) == diverged
 
 
+@pytest.mark.slow
 def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
     prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])],
@@ -246,6 +244,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
             assert speed["speedup_vs_target"] == pytest.approx(speed["tokens_per_s"] / speeds["target"]["tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_fail(target_dir, tmp_path,
                                                                                     monkeypatch, caplog):
     def failing_chain(*args, **kwargs):
@@ -267,6 +266,7 @@ def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_
     assert speeds["eagle3@k=2"]["tokens"] == speeds["target"]["tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static_layers_crop", [True, False], ids=["transformers-5.24", "transformers-5.17-like"])
 def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_path, monkeypatch, static_layers_crop):
     from transformers.cache_utils import StaticLayer

@@ -12,12 +12,6 @@ from eagle3_pipeline.formats.hidden_store import HiddenStore
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.speculative import decode_prompt
-from tests.unit.conftest import trained_tiny_drafter
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return trained_tiny_drafter(tmp_path_factory.mktemp("pipelined"))
 
 
 def both_loops(runtime: TargetRuntime, drafter, ids: list[int], k: int, max_new: int, eos: set[int]
@@ -34,16 +28,16 @@ def both_loops(runtime: TargetRuntime, drafter, ids: list[int], k: int, max_new:
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_the_device_resident_loops_decode_what_the_host_loops_decode(trained, k):
-    target, drafter, store = trained
+def test_the_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny, k):
+    target, drafter, store = trained_tiny
     # the compiled runtime's static caches, uncompiled: the loops are the same on a GPU, where they are recorded
     runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
     check_loops(runtime, drafter, store, k)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled step need a GPU")
-def test_the_recorded_device_resident_loops_decode_what_the_host_loops_decode(trained):
-    target, drafter, store = trained
+def test_the_recorded_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny):
+    target, drafter, store = trained_tiny
     model, drafter = copy.deepcopy(target.model).cuda(), copy.deepcopy(drafter).cuda()
     runtime = TargetRuntime(model, drafter.config.aux_layer_ids, compiled=True, log=logging.getLogger("test"))
     check_loops(runtime, drafter, store, 4)
@@ -73,14 +67,15 @@ def check_loops(runtime: TargetRuntime, drafter, store, k: int) -> None:
     assert accepted > 0  # the trained drafter's drafts are accepted: the acceptance arithmetic ran on real matches
 
 
+@pytest.mark.slow
 @torch.inference_mode()
-def test_the_fused_verified_step_equals_the_eager_one_as_one_graph(trained):
+def test_the_fused_verified_step_equals_the_eager_one_as_one_graph(trained_tiny):
     """On a GPU the device-resident chain records `fused(verified_step)` (inductor's kernels); here the same compiled
     function runs on the CPU against the eager one, from the same state, as one graph without breaks."""
     from eagle3_pipeline.runtime.draft_graph import fused
     from eagle3_pipeline.runtime.pipelined import verified_step
 
-    target, drafter, store = trained
+    target, drafter, store = trained_tiny
     ids = HiddenStore(store).sequence(0)["input_ids"][:16].tolist()
 
     def arguments() -> dict:
@@ -110,12 +105,12 @@ def test_the_fused_verified_step_equals_the_eager_one_as_one_graph(trained):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("accepted", [0, 1, 3, 4])
-def test_the_verified_step_accepts_the_matching_prefix_and_the_bonus_token(trained, accepted):
+def test_the_verified_step_accepts_the_matching_prefix_and_the_bonus_token(trained_tiny, accepted):
     """Every accepted count at k=4, forced through the verify's logits: the step's report, the loop state and the
     target cache's lengths follow the host loop's arithmetic."""
     from eagle3_pipeline.runtime.pipelined import verified_step
 
-    _, drafter, _ = trained
+    _, drafter, _ = trained_tiny
     k, n, vocab = 4, 20, drafter.embed_tokens.weight.shape[0]
     drafts, other = [11, 12, 13, 14], 40
     predictions = drafts[:accepted] + [other] * (k + 1 - accepted)  # the target's argmax after x_n, d1, ..

@@ -16,7 +16,7 @@ from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, sglang_flags, tree_speculative
 from eagle3_pipeline.runtime.tree_graph import keep_best
-from tests.unit.conftest import tiny_llama, trained_tiny_drafter
+from tests.unit.conftest import tiny_llama
 
 
 def test_settings_carry_sglang_flags_and_names_that_parse_back():
@@ -130,11 +130,6 @@ def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache)
     torch.testing.assert_close(next_logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return trained_tiny_drafter(tmp_path_factory.mktemp("tree"))
-
-
 def prompts_of(store, count: int = 4, length: int = 12) -> list[list[int]]:
     from eagle3_pipeline.formats.hidden_store import HiddenStore
 
@@ -142,10 +137,10 @@ def prompts_of(store, count: int = 4, length: int = 12) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def test_every_drafted_node_is_scored_along_its_own_path(trained):
+def test_every_drafted_node_is_scored_along_its_own_path(trained_tiny):
     """The drafter's tree attention: a node's cumulative log-probability equals the chain drafted one row at a time
     down its path alone (DecodeKV, chain positions n-1+depth) - sibling and cousin rows are invisible to it."""
-    target, drafter, store = trained
+    target, drafter, store = trained_tiny
     ids = prompts_of(store, 1, 20)[0]
     _, features = target.forward(ids[:-1], target.new_cache(32))
     n = features.shape[0]
@@ -169,8 +164,8 @@ def test_every_drafted_node_is_scored_along_its_own_path(trained):
 
 @pytest.mark.parametrize("setting", [TreeSetting(3, 2, 6), TreeSetting(4, 3, 12), TreeSetting(5, 4, 8)],
                          ids=lambda s: s.method())
-def test_tree_decoding_is_lossless(trained, setting):
-    target, drafter, store = trained
+def test_tree_decoding_is_lossless(trained_tiny, setting):
+    target, drafter, store = trained_tiny
     tree_drafter = TreeDrafter(drafter, setting)
     accepted = []
     for i, ids in enumerate(prompts_of(store)):
@@ -184,8 +179,8 @@ def test_tree_decoding_is_lossless(trained, setting):
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_a_topk_1_tree_accepts_what_the_chain_accepts(trained, k):
-    target, drafter, store = trained
+def test_a_topk_1_tree_accepts_what_the_chain_accepts(trained_tiny, k):
+    target, drafter, store = trained_tiny
     chain, tree_drafter = drafting.DrafterProposer(drafter), TreeDrafter(drafter, TreeSetting(k, 1, k + 1))
     for i, ids in enumerate(prompts_of(store, 3)):
         chain.reset()
@@ -196,8 +191,8 @@ def test_a_topk_1_tree_accepts_what_the_chain_accepts(trained, k):
         assert treed.drafted == chained.drafted == [k] * len(chained.drafted)
 
 
-def test_the_evaluation_names_trees_by_their_sglang_flags(trained):
-    target, drafter, store = trained
+def test_the_evaluation_names_trees_by_their_sglang_flags(trained_tiny):
+    target, drafter, store = trained_tiny
     setting = TreeSetting(3, 2, 6)
     methods = speculative.method_table({"eagle3": drafter}, [2], trees=(setting,))
     by_method: dict[str, list] = {}

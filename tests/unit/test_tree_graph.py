@@ -123,6 +123,7 @@ def test_tree_decoding_with_the_compiled_target_and_the_captured_drafter_is_loss
     assert compiled.compiled and not compiled.tree_step_failed
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_fused_tree_drafting_drafts_the_eager_trees(model):
     """On a GPU the captured tree drafting records `fused(tree_drafts)` (inductor's kernels); here the same compiled

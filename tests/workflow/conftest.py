@@ -1,19 +1,33 @@
-"""Helpers of the workflow tests: tiny datasets and configs, runs started in the background and killed when
-an event of their own happens (a journal line, a checkpoint, a finished shard), never at a clock time."""
+"""Helpers of the workflow tests: tiny datasets and configs, the one finished tiny pipeline run that tests reading
+its outputs share (`finished_tiny_run`) and cheap copies of it for tests that change a run, runs started in the
+background and killed when an event of their own happens (a journal line, a checkpoint, a finished shard), never at
+a clock time."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+import pytest
 
 from eagle3_pipeline.formats import journal
-from tests.conftest import base_config, sharegpt_record, snakemake_command, tiny_conversations, wait_for_event
+from tests.conftest import (
+    base_config,
+    run_snakemake,
+    sharegpt_record,
+    snakemake_command,
+    tiny_conversations,
+    wait_for_event,
+)
 
 
 def tiny_dataset(path: Path, count: int = 40) -> int:
@@ -57,6 +71,57 @@ def tiny_run_sections(chats: Path, target_dir: Path) -> dict:
                   "draft_lengths": [2], "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}],
                   "device": "cpu", "workers": 2,
                   "timing": {"prompts": 1, "max_new_tokens": 6}})
+
+
+class TinyRun(NamedTuple):
+    """A workdir holding a tiny pipeline run and the config it ran with (run name "tiny")."""
+
+    workdir: Path
+    config: dict
+
+    @property
+    def results(self) -> Path:
+        return self.workdir / "results" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, target_dir) -> TinyRun:
+    """The whole pipeline on `tiny_run_config`, run once per session to its end (every prompt set evaluated and
+    timed, the report's inputs written). Tests only read it; a test that changes a run works on `copy_run` of it."""
+    workdir = tmp_path_factory.mktemp("finished-tiny-run")
+    config = tiny_run_config(workdir, target_dir)
+    run_snakemake(workdir, config)
+    return TinyRun(workdir, config)
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run_report(finished_tiny_run, tmp_path_factory) -> Path:
+    """`snakemake --report` of `finished_tiny_run`, built once (it writes nothing inside the run)."""
+    report = tmp_path_factory.mktemp("tiny-report") / "report.html"
+    run_snakemake(finished_tiny_run.workdir, finished_tiny_run.config, "--report", str(report))
+    return report
+
+
+def copy_run(run: TinyRun, destination: Path, drop: tuple[str, ...] = ()) -> TinyRun:
+    """A copy of `run` at `destination` (file times and Snakemake's metadata kept, so nothing reruns), with the
+    paths in `drop` (relative to the workdir) removed, as if those jobs had never run; its config is a deep copy.
+    Files the pipeline already shares by hard link (the target's weights, linked from their source) are linked
+    again rather than copied: nothing writes them in place."""
+    shutil.copytree(run.workdir, destination, symlinks=True, copy_function=link_if_shared)
+    for relative in drop:
+        path = destination / relative
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return TinyRun(destination, copy.deepcopy(run.config))
+
+
+def link_if_shared(source: str, destination: str) -> None:
+    if os.stat(source).st_nlink > 1:
+        os.link(source, destination)
+    else:
+        shutil.copy2(source, destination)
 
 
 def incomplete_marker(workdir: Path, output: str) -> Path:

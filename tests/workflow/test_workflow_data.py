@@ -20,10 +20,19 @@ from tests.workflow.conftest import (
 pytestmark = pytest.mark.workflow
 
 
-def test_data_stage_end_to_end(tmp_path, target_dir):
-    config, expected = tiny_data_config(tmp_path, target_dir)
-    run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors")
-    results = tmp_path / "results" / "tiny"
+@pytest.fixture(scope="module")
+def data_stage_run(tmp_path_factory, target_dir) -> tuple:
+    """The data stage (2 shards, up to the draft vocab) run once for the tests that only read it: (workdir, config,
+    conversations that must survive ingest)."""
+    workdir = tmp_path_factory.mktemp("data-stage")
+    config, expected = tiny_data_config(workdir, target_dir)
+    run_snakemake(workdir, config, "results/tiny/vocab/draft_vocab.safetensors")
+    return workdir, config, expected
+
+
+def test_data_stage_end_to_end(data_stage_run):
+    workdir, config, expected = data_stage_run
+    results = workdir / "results" / "tiny"
     report = json.loads((results / "conversations" / "ingest_report.json").read_text())
     assert report["conversations_kept"] == expected
     assert report["dropped"] == {"empty_conversation": 1, "no_user_turn": 1, "unknown_role": 1,
@@ -35,17 +44,18 @@ def test_data_stage_end_to_end(tmp_path, target_dir):
         assert data.attrs["num_sequences"] == len(data) > 0 and data.loss_mask.any()
         assert data.attrs["target_hash"] and data.attrs["end_of_turn"] == "<|im_end|>"
         total += len(data)
-        assert (tmp_path / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
+        assert (workdir / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
     assert total == expected - 4
     draft = draft_vocab.read(results / "vocab" / "draft_vocab.safetensors")
     assert len(draft.draft_ids) == 500 and len(draft.counts) == 49152
     stats = json.loads((results / "vocab" / "data_stats.json").read_text())
     assert stats["total_tokens"] == sum(s["num_tokens"] for s in stats["shards"].values())
     # Nothing left to do on a rerun.
-    again = run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors", "-n")
+    again = run_snakemake(workdir, config, "results/tiny/vocab/draft_vocab.safetensors", "-n")
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_rewriting_finished_shards(tmp_path, target_dir):
     config, _ = tiny_data_config(tmp_path, target_dir, shards=3)
     run_snakemake(tmp_path, config, "results/tiny/conversations/ingest_report.json")
@@ -83,16 +93,15 @@ def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, override, mess
     assert not (tmp_path / "results").exists()
 
 
-def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
+def test_shard_tokens_match_the_conversations(data_stage_run):
     """Decode each sequence's masked tokens: they are the assistant replies of that conversation."""
-    config, _ = tiny_data_config(tmp_path, target_dir, shards=2)
-    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00001.zarr")
+    workdir = data_stage_run[0]
     from eagle3_pipeline.runtime.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(tmp_path / "results" / "tiny" / "target")
+    tokenizer = load_tokenizer(workdir / "results" / "tiny" / "target")
     convs = {c["id"]: c for c in conversation_shards.read(
-        tmp_path / "results" / "tiny" / "conversations" / "shard-00001.jsonl")}
-    shard = token_shards.read(tmp_path / "results" / "tiny" / "tokens" / "shard-00001.zarr")
+        workdir / "results" / "tiny" / "conversations" / "shard-00001.jsonl")}
+    shard = token_shards.read(workdir / "results" / "tiny" / "tokens" / "shard-00001.zarr")
     for j, sample_id in enumerate(shard.sample_ids):
         ids, mask = shard.sequence(j)
         replies = "".join(m["content"] + "<|im_end|>" for m in convs[sample_id]["messages"]
@@ -101,6 +110,7 @@ def test_shard_tokens_match_the_conversations(tmp_path, target_dir):
         assert np.all(ids >= 0)
 
 
+@pytest.mark.slow
 def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, target_dir):
     config, expected = tiny_data_config(tmp_path, target_dir, shards=2, train_conversations=16)
     config["regenerate"] = {**config["regenerate"], "enabled": True, "max_new_tokens": 12, "batch_size": 1,

@@ -1,4 +1,6 @@
-"""Extraction through the real snakemake CLI: disk plan, kill + resume, plan vs actual, refusal."""
+"""Extraction through the real snakemake CLI: disk plan, kill + resume, plan vs actual, refusal.
+
+The data stage runs once for the module (`tokenized`); each test that extracts works on a copy of it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,15 @@ import pytest
 
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from tests.conftest import base_config, run_snakemake
-from tests.workflow.conftest import incomplete_marker, json_file, kill_when, start_snakemake, tiny_dataset
+from tests.workflow.conftest import (
+    TinyRun,
+    copy_run,
+    incomplete_marker,
+    json_file,
+    kill_when,
+    start_snakemake,
+    tiny_dataset,
+)
 
 pytestmark = pytest.mark.workflow
 STORES = ["results/tiny/hidden/shard-00000.zarr", "results/tiny/hidden/shard-00001.zarr"]
@@ -26,25 +36,31 @@ def extract_config(workdir, target_dir, **plan):
         plan={"expected_compression": 1.4, "allow_exceeding_free_space": False, **plan})
 
 
-def test_dry_run_prints_the_disk_plan_estimate_then_exact(tmp_path, target_dir):
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, target_dir) -> TinyRun:
+    """A workdir where `extract_config`'s data stage has run: the token shards extraction reads."""
+    workdir = tmp_path_factory.mktemp("tokenized")
+    config = extract_config(workdir, target_dir)
+    run_snakemake(workdir, config, *[s.replace("hidden", "tokens") for s in STORES])
+    return TinyRun(workdir, config)
+
+
+def test_dry_run_prints_the_disk_plan_estimate_then_exact(tmp_path, target_dir, tokenized):
     config = extract_config(tmp_path, target_dir)
     before = run_snakemake(tmp_path, config, "-n")
     text = before.stderr + before.stdout
     assert "Disk plan" in text and text.index("Disk plan") < text.index("Job stats")
     assert "estimate" in text and "fits" in text
     assert "extract" in text and "disk_mb=" in text
-    run_snakemake(tmp_path, config, *[s.replace("hidden", "tokens") for s in STORES])
-    after = run_snakemake(tmp_path, config, "-n")
+    after = run_snakemake(tokenized.workdir, tokenized.config, "-n")  # the same config, its token shards written
     hidden_line = next(line for line in after.stderr.splitlines() if line.strip().startswith("hidden"))
     assert hidden_line.rstrip().endswith("exact")
 
 
-def test_killed_extraction_resumes_and_matches_an_uninterrupted_run(tmp_path, target_dir):
-    interrupted, clean = tmp_path / "interrupted", tmp_path / "clean"
-    interrupted.mkdir()
-    clean.mkdir()
-    config = extract_config(interrupted, target_dir)
-    run_snakemake(interrupted, config, *[s.replace("hidden", "tokens") for s in STORES])
+@pytest.mark.slow
+def test_killed_extraction_resumes_and_matches_an_uninterrupted_run(tmp_path, tokenized):
+    interrupted, config = copy_run(tokenized, tmp_path / "interrupted")
+    clean, clean_config = copy_run(tokenized, tmp_path / "clean")
     process = start_snakemake(interrupted, config, "--cores", "1", *STORES)
     caught: dict[str, object] = {}
 
@@ -73,7 +89,6 @@ def test_killed_extraction_resumes_and_matches_an_uninterrupted_run(tmp_path, ta
     log = (interrupted / "logs" / "tiny" / "extract" / f"{other.split('/')[-1][:-5]}.log").read_text()
     assert "resuming" in log and "tokens/s" in log and "ETA" in log
 
-    clean_config = extract_config(clean, target_dir)
     run_snakemake(clean, clean_config, *STORES)
     for store in STORES:
         hidden_store.validate(interrupted / store)

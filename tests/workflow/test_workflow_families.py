@@ -120,6 +120,7 @@ def family_runs(tmp_path_factory, target_dir, smollm2_tokenizer) -> dict[str, tu
         return {family: (runs[family][0], future.result()) for family, future in finished.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_runs_the_whole_workflow(family_runs, family):
     workdir, result = family_runs[family]

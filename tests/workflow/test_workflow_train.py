@@ -1,12 +1,11 @@
 """Training through the real snakemake CLI: what a rerun resumes, retrains, and refuses.
 
-One base run (target, data, extraction) is copied for each test (file times and Snakemake's metadata
-included), so each test starts where the training stage would."""
+Each test works on a copy of the shared finished tiny run (file times and Snakemake's metadata included) without
+its training outputs, so it starts where the training stage would: target, data and extraction done."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -15,31 +14,26 @@ from safetensors.torch import load_file
 from eagle3_pipeline import plan
 from eagle3_pipeline.formats import hidden_store
 from tests.conftest import flip_bytes_inside_a_chunk, run_snakemake
-from tests.workflow.conftest import kill_when, start_snakemake, tiny_run_config
+from tests.workflow.conftest import TinyRun, copy_run, kill_when, start_snakemake
 
-pytestmark = pytest.mark.workflow
+pytestmark = [pytest.mark.workflow, pytest.mark.slow]  # each test needs the finished tiny run
 WEIGHTS = "results/tiny/train/drafter.safetensors"
 STATE = "results/tiny/train_state"
 LOG = "logs/tiny/train.log"
+TRAINING_OUTPUTS = ("results/tiny/train", STATE, LOG)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, target_dir):
-    """A workdir with the hidden stores (the held-out one too) and draft vocab built; the config trains for
-    ~18 steps."""
-    workdir = tmp_path_factory.mktemp("prepared")
-    config = tiny_run_config(workdir, target_dir)
+@pytest.fixture
+def prepared(finished_tiny_run) -> TinyRun:
+    """The finished run, its config set to train for ~18 steps (training settings only: nothing upstream reruns)."""
+    config = {**finished_tiny_run.config}
     config["train"] = {**config["train"], "epochs": 1, "batch_tokens": 256, "checkpoint_every": 3}
-    run_snakemake(workdir, config, "results/tiny/hidden/shard-00000.zarr", "results/tiny/hidden/shard-00001.zarr",
-                  "results/tiny/hidden/shard-heldout.zarr", "results/tiny/vocab/draft_vocab.safetensors")
-    return workdir, config
+    return TinyRun(finished_tiny_run.workdir, config)
 
 
-def copy_of(prepared, tmp_path):
-    workdir, config = prepared
-    copy = tmp_path / "run"
-    shutil.copytree(workdir, copy, symlinks=True)  # keeps file times: nothing upstream of train reruns
-    return copy, {key: dict(value) if isinstance(value, dict) else value for key, value in config.items()}
+def copy_of(prepared: TinyRun, tmp_path) -> TinyRun:
+    """A copy of the prepared run without its training outputs (the hidden stores and draft vocab kept)."""
+    return copy_run(prepared, tmp_path / "run", drop=TRAINING_OUTPUTS)
 
 
 def weights(workdir) -> dict[str, torch.Tensor]:
