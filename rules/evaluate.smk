@@ -70,6 +70,7 @@ rule plots:
         disk=DISK_REPORT,
         config=CONFIG_SNAPSHOT,
         target=TARGET_DIR,
+        data_stats=VOCAB_STATS,
     output:
         acceptance=report(f"{PLOTS}/acceptance_by_position.png", caption="../report/acceptance.rst",
                           category="Evaluation", labels={"figure": "acceptance by position"}),
@@ -81,6 +82,7 @@ rule plots:
                     labels={"figure": "disk plan vs actual"}),
         provenance=report(f"{PLOTS}/provenance.json", caption="../report/provenance.rst", category="Provenance",
                           labels={"figure": "provenance"}),
+        front_page=f"{PLOTS}/front_page.html",  # embedded by report/workflow.rst, the report's first page
     params:
         full_config=config,
     conda:

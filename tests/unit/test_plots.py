@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eagle3_pipeline.formats import evaluation
+from eagle3_pipeline.reporting import terminal
 from eagle3_pipeline.stages import plots
 
 DPI = 110  # plots.py saves every figure at this resolution
@@ -46,18 +47,37 @@ def run_dir(tmp_path):
     return run
 
 
+def table_rows(lines: list[str]) -> dict[tuple[str, str], list[str]]:
+    """The headline's table rows by (prompt set, method): each set's title line, then a header and its rows."""
+    rows, prompt_set = {}, None
+    for line in lines:
+        if line and not line.startswith(" ") and ": tau over " in line:
+            prompt_set = line.split(":")[0]
+        elif prompt_set and line.startswith("  ") and line.split()[0] != "method":
+            cells = line.split()
+            rows[prompt_set, cells[0]] = cells[1:]
+        elif not line:
+            prompt_set = None
+    return rows
+
+
 def test_the_headline_table_shows_tau_and_the_timed_speedups(run_dir, capsys):
     assert plots.main([str(run_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"tau and speedup ({run_dir / 'evaluation'}")
-    rows = {(cells[0], cells[1]): cells[2:] for cells in map(str.split, lines[2:])}
+    assert lines[0].startswith(f"tau and speedup of {run_dir}")
+    assert "mtbench-package: tau over 2 prompts (tau pass), speeds over 1 (timing pass)" in lines
+    rows = table_rows(lines)
     assert set(rows) == {(s, m) for s in ("mtbench-package", "held-out")
                          for m in ("target", "eagle3@k=2", "prompt-lookup@k=2")}
-    assert rows["mtbench-package", "eagle3@k=2"] == ["2.500", "0.500", "2", "21.0", "2.100", "1.50", "20.25", "1",
-                                                      "device"]
-    assert rows["mtbench-package", "target"] == ["1.000", "0.000", "2", "10.0", "1.000", "1.50", "20.25", "1", "host"]
-    assert rows["held-out", "eagle3@k=2"] == ["1.750", "0.500", "2"]  # not timed: the speed cells are empty
-    assert rows["held-out", "prompt-lookup@k=2"] == ["1.125", "0.000", "2"]
+    # tau, speedup, tokens/s, draft and verify ms per step, divergence share
+    assert rows["mtbench-package", "eagle3@k=2"] == ["2.500", "2.10x", "21.0", "1.5", "20.2", "50%"]
+    assert rows["mtbench-package", "target"] == ["1.000", "1.00x", "10.0", "1.5", "20.2", "0%"]
+    assert rows["held-out", "eagle3@k=2"] == ["1.750", "-", "-", "-", "-", "50%"]  # not timed
+    assert rows["held-out", "prompt-lookup@k=2"] == ["1.125", "-", "-", "-", "-", "0%"]
+    verdicts = lines[lines.index(next(line for line in lines if line.startswith("Verdict"))) + 1:]
+    assert verdicts[0] == ("  held-out: Not timed: eagle3@k=2, tau 1.75 (the highest tau); the timing pass did not "
+                           "time it, so its speed is unknown")
+    assert verdicts[1] == "  mtbench-package: Serve: eagle3@k=2, tau 2.50: 2.10x the target alone"
 
 
 def test_the_headline_without_results_says_where_it_looked(tmp_path, capsys):
@@ -86,17 +106,62 @@ def test_eagle3_settings_carry_their_sglang_flags_in_the_csv_and_below_the_headl
     evaluation.write_tau_table(tmp_path / "tau.csv", evaluations, {})
     rows = {r["method"]: r for r in csv.DictReader((tmp_path / "tau.csv").open())}
     assert rows[tree]["sglang_flags"] == flags and rows["prompt-lookup@k=2"]["sglang_flags"] == ""
-    table, _, below = plots.headline_table(evaluations, {}).partition("\n\n")
+    table, _, below = terminal.headline_table(evaluations, {}).partition("\nSGLang: ")
     assert tree in table and "--speculative" not in table
-    assert below.splitlines()[1:] == [f"  {tree}: {flags}"]
+    assert below.splitlines()[2:4] == [f"  {tree}", f"      {flags}"]
 
 
 def test_the_headline_warns_when_compiled_steps_ran_without_cuda_graphs():
     evaluations = {"mtbench-package": {"summary": {"target": method(None)}}}
     timing = {"sets": {"mtbench-package": {"target": speed(10.0, 1.0)}}}
-    assert "WARNING" not in plots.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 0})
-    warned = plots.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 2})
-    assert warned.splitlines()[-1].startswith("WARNING: 2 compiled step(s) of the timing pass ran without CUDA graphs")
+    assert "WARNING" not in terminal.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 0})
+    warned = terminal.headline_table(evaluations, timing | {"compiled_steps_without_cuda_graphs": 2})
+    assert "\n\nWARNING: 2 compiled step(s) of the timing pass ran without CUDA graphs" in warned
+
+
+SGLANG_DEFAULT_TREES = [(3, 1, 4), (5, 4, 8), (5, 8, 32), (6, 10, 64)]
+
+
+def realistic_results() -> tuple[dict, dict]:
+    """A GPU example's results: three prompt sets, chains at k=4 and 7, four trees, baselines, every method but
+    the untrained baseline timed, and a warning about CUDA graphs."""
+    evaluations, timing = {}, {"compiled_steps_without_cuda_graphs": 3, "sets": {}}
+    for index, name in enumerate(("mtbench-package", "held-out", "instruction-following-heldback")):
+        summary = {"target": method(None)}
+        speeds = {"target": speed(812.3, 1.0, "device")}
+        for k in (4, 7):
+            summary[f"prompt-lookup@k={k}"] = method(1.3 + index / 10, [0.2] * k)
+            summary[f"eagle3@k={k}"] = method(2.0 + k / 10, [0.7] * k) | {"k": k, "sglang_flags": (
+                f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")}
+            summary[f"eagle3-untrained@k={k}"] = method(1.01, [0.01] * k, diverged=0.125)
+            speeds |= {f"prompt-lookup@k={k}": speed(1004.5, 1.237), f"eagle3@k={k}": speed(1480.25, 1.822, "device")}
+        for steps, topk, tokens in SGLANG_DEFAULT_TREES:
+            tree = f"eagle3-tree(steps={steps},topk={topk},tokens={tokens})"
+            summary[tree] = method(2.0 + topk / 10, [0.8] * steps) | {"sglang_flags": (
+                f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+                f"--speculative-num-draft-tokens {tokens}")}
+            speeds[tree] = speed(1725.75 - tokens, 2.125 - tokens / 100)
+        evaluations[name] = {"summary": summary}
+        timing["sets"][name] = speeds
+    return evaluations, timing
+
+
+def test_the_headline_of_a_realistic_run_fits_a_120_column_terminal_and_the_csv_keeps_every_column(tmp_path):
+    evaluations, timing = realistic_results()
+    text = terminal.headline_table(evaluations, timing)
+    too_wide = [line for line in text.splitlines() if len(line) > 120]
+    assert not too_wide, "\n".join(too_wide)
+    rows = table_rows(text.splitlines())
+    assert len(rows) == 3 * 11  # every method of every set, each on one line
+    assert rows["held-out", "eagle3-tree(steps=6,topk=10,tokens=64)"] == ["3.000", "1.48x", "1661.8", "1.5", "20.2",
+                                                                          "0%"]
+    assert "  eagle3-tree(steps=6,topk=10,tokens=64)" in text.splitlines()
+    assert text.splitlines()[-4].endswith("with K in [4, 7]")  # vLLM serves the chains
+    evaluation.write_tau_table(tmp_path / "tau.csv", evaluations, timing)
+    written = list(csv.DictReader((tmp_path / "tau.csv").open()))
+    assert len(written) == 33 and list(written[0]) == list(evaluation.TAU_COLUMNS)
+    tree = next(r for r in written if r["method"] == "eagle3-tree(steps=6,topk=10,tokens=64)")
+    assert tree["sglang_flags"].endswith("--speculative-num-draft-tokens 64") and tree["loop (timing pass)"] == "host"
 
 
 def png(path) -> np.ndarray:

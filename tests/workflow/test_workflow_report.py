@@ -1,4 +1,5 @@
-"""The whole pipeline through the real snakemake CLI on a tiny config, ending in `snakemake --report`."""
+"""The whole pipeline through the real snakemake CLI on a tiny config, ending in `snakemake --report`: what the one
+shared finished run (`finished_tiny_run`) wrote, and an evaluation killed and resumed in a copy of it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 
 from eagle3_pipeline.formats import token_shards
 from tests.conftest import run_snakemake
-from tests.workflow.conftest import journal_records, kill_when, start_snakemake, tiny_run_config
+from tests.workflow.conftest import copy_run, journal_records, kill_when, start_snakemake
 
-pytestmark = pytest.mark.workflow
+pytestmark = [pytest.mark.workflow, pytest.mark.slow]  # each test needs the finished tiny run
 
 
 def acceptance_by_position_from_steps(traces: list[dict], k: int) -> list[float]:
@@ -60,10 +61,8 @@ def check_method(evaluation: dict, method: str) -> None:
         acceptance_by_position_from_steps(eagle3, 2))
 
 
-def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
-    config = tiny_run_config(tmp_path, target_dir)
-    run_snakemake(tmp_path, config)
-    results = tmp_path / "results" / "tiny"
+def test_the_tiny_run_evaluates_and_times_every_method_and_tabulates_both_passes(finished_tiny_run):
+    results = finished_tiny_run.results
     for prompt_set in ("mtbench-package", "held-out"):
         check_evaluation(json.loads((results / "evaluation" / f"{prompt_set}.json").read_text()))
     timing = json.loads((results / "timing" / "timing.json").read_text())
@@ -78,9 +77,18 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     assert len(table) == 2 * 5
     flags = {row["method"]: row["sglang_flags"] for row in table}
     assert flags[TREE].startswith("--speculative-num-steps 2 ") and flags["prompt-lookup@k=2"] == ""
+
+
+def test_the_tiny_run_checks_parity_estimates_each_epoch_and_exports_for_serving(finished_tiny_run):
+    results = finished_tiny_run.results
     parity = json.loads((results / "parity" / "hf.json").read_text())
     assert parity["passed"] and parity["aux_layer_ids"] == [2, 15, 27]
-    estimate = json.loads((results / "train" / "summary.json").read_text())["heldout_estimate"]
+    train_summary = json.loads((results / "train" / "summary.json").read_text())
+    timing = json.loads((results / "timing" / "timing.json").read_text())
+    # the report's line on the run: the training job's wall time and device
+    assert train_summary["train_seconds"] > 0 and train_summary["device"] == "CPU, 2 threads"
+    assert timing["device_name"] == "CPU, 2 threads"
+    estimate = train_summary["heldout_estimate"]
     assert [row["epoch"] for row in estimate["by_epoch"]] == [1]  # one epoch, one offline estimate
     heldout = token_shards.read(results / "tokens" / "shard-heldout.zarr")
     masks = np.split(heldout.loss_mask, heldout.seq_offsets[1:-1])
@@ -88,9 +96,10 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
     assert estimate["by_epoch"][0]["positions"] == sum(int(mask[2:].sum()) for mask in masks)
     served = json.loads((results / "serving" / "drafter" / "config.json").read_text())
     assert served["architectures"] == ["LlamaForCausalLMEagle3"]
-    report = tmp_path / "report.html"
-    run_snakemake(tmp_path, config, "--report", str(report))
-    html = report.read_text()
+
+
+def test_the_tiny_run_builds_the_html_report(finished_tiny_run_report):
+    html = finished_tiny_run_report.read_text()
     pngs = [base64.b64decode(m) for m in re.findall(r"(iVBORw0KGgo[A-Za-z0-9+/=]+)", html)]
     assert len(pngs) == 3  # acceptance by position, training curves, disk plan vs actual
     for png in pngs:
@@ -101,45 +110,50 @@ def test_tiny_end_to_end_run_builds_the_html_report(tmp_path, target_dir):
                  "tau_and_speedup.csv", "provenance.json", "mtbench-package.json", "timing.json"):
         assert name in html
 
-    # what `make run` prints last: every prompt set and method with the tau and speedup of its JSON
-    headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.stages.plots", "results/tiny"], cwd=tmp_path,
-                              capture_output=True, text=True, check=True).stdout
-    table_lines, _, flag_lines = headline.partition("\nSGLang settings")
-    lines = [line.split() for line in table_lines.splitlines()[2:] if line]
-    assert f"  {TREE}: --speculative-num-steps 2 --speculative-eagle-topk 2 --speculative-num-draft-tokens 4" in (
-        flag_lines.splitlines())
+
+def test_the_headline_shows_every_method_with_its_tau_and_speedup(finished_tiny_run):
+    """What `make run` prints last: every prompt set and method with the tau and speedup of its JSON, in 120
+    columns."""
+    results = finished_tiny_run.results
+    timing = json.loads((results / "timing" / "timing.json").read_text())
+    headline = subprocess.run([sys.executable, "-m", "eagle3_pipeline.stages.plots", "results/tiny"],
+                              cwd=finished_tiny_run.workdir, capture_output=True, text=True, check=True).stdout
+    lines = headline.splitlines()
+    assert max(len(line) for line in lines) <= 120  # a 120-column terminal
+    assert lines[lines.index(f"  {TREE}") + 1] == (
+        "      --speculative-num-steps 2 --speculative-eagle-topk 2 --speculative-num-draft-tokens 4")
     for prompt_set in ("mtbench-package", "held-out"):
         summary = json.loads((results / "evaluation" / f"{prompt_set}.json").read_text())["summary"]
-        shown = {line[1]: line for line in lines if line[0] == prompt_set}
+        title = next(i for i, line in enumerate(lines) if line.startswith(f"{prompt_set}: tau over 2 prompts"))
+        shown = {cells[0]: cells for cells in map(str.split, lines[title + 2: title + 2 + len(summary)])}
         assert set(shown) == set(summary)
         for method, values in summary.items():  # tau from the tau pass, speedup from the timing pass
-            assert shown[method][2] == f"{values.get('tau', 1.0):.3f}"
+            assert shown[method][1] == f"{values.get('tau', 1.0):.3f}"
             speed = timing["sets"][prompt_set].get(method)
-            if speed:
-                assert shown[method][6] == f"{speed['speedup_vs_target']:.3f}"
-            else:  # the untrained baseline is not timed: its speed cells are empty
-                assert len(shown[method]) == 5
+            # the untrained baseline is not timed: its speed cells say so
+            assert shown[method][2] == (f"{speed['speedup_vs_target']:.2f}x" if speed else "-")
 
 
 def finished_prompts(progress) -> int:
     return sum(len(journal_records(part)) for part in progress.glob("*.jsonl"))
 
 
-def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(tmp_path, target_dir):
-    config = tiny_run_config(tmp_path, target_dir)
+def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(finished_tiny_run, tmp_path):
+    # the finished run up to its exported drafter: only the evaluate rule's settings change below
+    run = copy_run(finished_tiny_run, tmp_path / "run", drop=("results/tiny/evaluation", "logs/tiny/evaluate"))
+    workdir, config = run.workdir, run.config
     config["evaluate"] = {**config["evaluate"], "prompts": ["mtbench-package"], "max_prompts": 5,
                           "max_new_tokens": 24, "workers": 1}
-    run_snakemake(tmp_path, config, "results/tiny/serving/drafter")
-    output = tmp_path / "results" / "tiny" / "evaluation" / "mtbench-package.json"
+    output = workdir / "results" / "tiny" / "evaluation" / "mtbench-package.json"
     progress = output.with_name(output.name + ".progress")
-    process = start_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))
+    process = start_snakemake(workdir, config, str(output.relative_to(workdir)))
     kill_when(process, "two decoded prompts in the evaluation journal", lambda: finished_prompts(progress) >= 2)
     before = {record["prompt_id"]: record["traces"]
               for part in progress.glob("*.jsonl") for record in journal_records(part)}
     assert 2 <= len(before) < 5 and not output.exists(), "the kill did not land during the evaluation"
-    run_snakemake(tmp_path, config, "--unlock")
-    run_snakemake(tmp_path, config, str(output.relative_to(tmp_path)))
-    log = (tmp_path / "logs" / "tiny" / "evaluate" / "mtbench-package.log").read_text()
+    run_snakemake(workdir, config, "--unlock")
+    run_snakemake(workdir, config, str(output.relative_to(workdir)))
+    log = (workdir / "logs" / "tiny" / "evaluate" / "mtbench-package.log").read_text()
     assert f"resuming: {len(before)} of 5 prompts already decoded" in log
     traces = json.loads(output.read_text())["traces"]
     assert sorted(t["prompt_id"] for t in traces if t["method"] == "target") == sorted(

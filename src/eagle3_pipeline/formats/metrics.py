@@ -3,7 +3,8 @@
 
 The CSVs are appended a row at a time (header first); a resume truncates rows logged after its checkpoint.
 Every value reads back as a float. summary.json: steps, final_loss, acc_per_step,
-expected_acceptance_per_step and, with a held-out split, heldout_estimate {by_epoch, kept, selected_by}.
+expected_acceptance_per_step, train_seconds (wall time of the job that finished training), device (the GPU's
+model or "CPU, N threads") and, with a held-out split, heldout_estimate {by_epoch, kept, selected_by}.
 """
 
 from __future__ import annotations

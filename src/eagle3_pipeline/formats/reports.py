@@ -1,5 +1,6 @@
 """Reports: the small JSON records stages leave for people and for the report (ingest report, data stats,
-parity report, disk plan vs actual, provenance, job files of evaluation workers) and the report's figures.
+parity report, disk plan vs actual, provenance, job files of evaluation workers), the report's figures and
+its first page's HTML fragment.
 Written whole through a `.partial` sibling, like every artifact."""
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(Path(path).read_text())
+
+
+def write_html(path: Path, fragment: str) -> None:
+    """An HTML fragment for the report (`report/front_page.html`, embedded by report/workflow.rst)."""
+    atomic_write(Path(path), fragment)
 
 
 def write_figure(figure: Any, path: Path, dpi: int = 110) -> None:

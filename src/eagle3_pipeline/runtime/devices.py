@@ -21,3 +21,11 @@ def process_device(requested: str = "auto") -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def describe(device: str, processes: int = 1) -> str:
+    """A device as the report names it: the GPU's model ("NVIDIA H200", "2x NVIDIA H200") or "CPU, N threads"."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(torch.device(device))
+        return f"{processes}x {name}" if processes > 1 else name
+    return f"CPU, {torch.get_num_threads()} threads"

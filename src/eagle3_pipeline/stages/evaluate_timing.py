@@ -13,7 +13,7 @@ from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
-from eagle3_pipeline.runtime.devices import pick_device
+from eagle3_pipeline.runtime.devices import describe, pick_device
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import (
     Trace,
@@ -121,7 +121,8 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     target.device_loops = target.compiled and settings.device_loops
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], list(settings.draft_lengths),
                        settings.max_new_tokens, settings.dtype == "float32", log, settings.trees)
-    return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": pick_device(settings.device),
+    device = pick_device(settings.device)
+    return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": device, "device_name": describe(device),
             "dtype": settings.dtype, "prompts_per_set": settings.prompts,
             "max_new_tokens": settings.max_new_tokens, "compiled": target.compiled,
             "compiled_steps_without_cuda_graphs": steps_without_cuda_graphs() if target.compiled else 0,

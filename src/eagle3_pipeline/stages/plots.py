@@ -1,6 +1,7 @@
 """Figures and tables for `snakemake --report` (matplotlib, Agg backend: no display needed), and the
 headline table `make run` ends with: `python -m eagle3_pipeline.stages.plots RUN_DIR` (or `--config FILE...`)
-prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json."""
+prints tau and speedup per prompt set and method from RUN_DIR/evaluation/*.json (reporting/terminal.py); the
+report's first page is reporting/front_page.py's fragment."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from eagle3_pipeline import logs  # noqa: E402
 from eagle3_pipeline.formats import metrics, reports  # noqa: E402
 from eagle3_pipeline.formats.evaluation import (  # noqa: E402
-    TAU_COLUMNS,
     TIMING_FILE,
     read_evaluations,
     read_results,
-    tau_rows,
     write_tau_table,
 )
 from eagle3_pipeline.formats.target_dir import read_identity  # noqa: E402
+from eagle3_pipeline.reporting.front_page import RunFacts, front_page  # noqa: E402
+from eagle3_pipeline.reporting.terminal import headline_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Inputs:
     disk: Path
     config_snapshot: Path
     target: Path
+    data_stats: Path  # vocab/data_stats.json: the training shards' sequences and tokens
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Outputs:
     training: Path
     disk: Path
     provenance: Path
+    front_page: Path  # the HTML fragment report/workflow.rst embeds
 
 
 def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None:
@@ -68,26 +71,6 @@ def acceptance_figure(evaluations: dict[str, dict[str, Any]], out: Path) -> None
     fig.tight_layout()
     reports.write_figure(fig, out)
     plt.close(fig)
-
-
-def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
-    """The tau/speedup table as aligned text, for the terminal; below it, the SGLang flags of every EAGLE-3
-    setting (chains and trees), ready to paste after `python -m sglang.launch_server`, and a warning when some
-    compiled steps of the timing pass ran without CUDA graphs."""
-    table = tau_rows(evaluations, timing)
-    columns = len(TAU_COLUMNS) - 1  # the flags go below the table: they hold spaces
-    rows = [list(TAU_COLUMNS[:columns])] + [[str(value) for value in row[:columns]] for row in table]
-    widths = [max(len(row[i]) for row in rows) for i in range(columns)]
-    lines = ["  ".join(value.ljust(width) if i < 2 else value.rjust(width)
-                       for i, (value, width) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
-    flags = {row[1]: row[-1] for row in table if row[-1]}
-    if flags:
-        lines += ["", "SGLang settings (--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR ...):"]
-        lines += [f"  {method}: {flag}" for method, flag in flags.items()]
-    if skipped := timing.get("compiled_steps_without_cuda_graphs"):
-        lines += ["", f"WARNING: {skipped} compiled step(s) of the timing pass ran without CUDA graphs, launch by "
-                      "launch: its speeds are not a captured decoder's (torch's [__cudagraphs] log lines say why)"]
-    return "\n".join(lines)
 
 
 def training_figure(metrics_path: Path, out: Path, train_summary: dict[str, Any] | None = None) -> None:
@@ -160,23 +143,44 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
             "target": identity, "packages": packages}
 
 
+def run_facts(config: dict[str, Any], train_summary: dict[str, Any], data_stats: dict[str, Any],
+              timing: dict[str, Any], evaluations: dict[str, dict[str, Any]]) -> RunFacts:
+    """The front page's line on the run, from the run's own records (the config for its names)."""
+    results = f"{config['results_dir']}/{config['run']}"
+    tau_pass = next(iter(evaluations.values()), {})
+    eval_device = timing.get("device_name") or timing.get("device") or tau_pass.get("device", "?")
+    return RunFacts(run=config["run"], target=str(config["target"]["source"]),
+                    conversations=sum(s["num_sequences"] for s in data_stats["shards"].values()),
+                    tokens=data_stats["total_tokens"], epochs=config["train"]["epochs"],
+                    steps=train_summary["steps"], train_seconds=train_summary.get("train_seconds"),
+                    train_device=train_summary.get("device"),
+                    eval_device=f"{eval_device}, {config['evaluate']['dtype']}",
+                    target_dir=f"{results}/target", drafter_dir=f"{results}/serving/drafter")
+
+
 def run(inputs: Inputs, outputs: Outputs, settings: Settings) -> None:
     evaluations = read_evaluations(inputs.evaluations)
+    timing = read_results(inputs.timing)
+    train_summary = metrics.read_summary(inputs.summary)
+    disk = reports.read(inputs.disk)
     acceptance_figure(evaluations, outputs.acceptance)
-    write_tau_table(outputs.tau, evaluations, read_results(inputs.timing))
-    training_figure(inputs.metrics, outputs.training, metrics.read_summary(inputs.summary))
-    disk_figure(reports.read(inputs.disk), outputs.disk)
+    write_tau_table(outputs.tau, evaluations, timing)
+    training_figure(inputs.metrics, outputs.training, train_summary)
+    disk_figure(disk, outputs.disk)
     reports.write(outputs.provenance, provenance(settings.config, inputs.config_snapshot, inputs.target))
+    facts = run_facts(settings.config, train_summary, reports.read(inputs.data_stats), timing, evaluations)
+    reports.write_html(outputs.front_page, front_page(evaluations, timing, facts, disk))
 
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     given = snakemake.input
     inputs = Inputs([Path(p) for p in given.evaluations], Path(given.timing), Path(given.metrics),
-                    Path(given.summary), Path(given.disk), Path(given.config), Path(given.target))
+                    Path(given.summary), Path(given.disk), Path(given.config), Path(given.target),
+                    Path(given.data_stats))
     made = snakemake.output
     outputs = Outputs(Path(made.acceptance), Path(made.tau), Path(made.training), Path(made.disk),
-                      Path(made.provenance))
+                      Path(made.provenance), Path(made.front_page))
     run(inputs, outputs, Settings(config=dict(snakemake.params.full_config)))
     log.info("wrote %s", ", ".join(snakemake.output))
 
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     timing_path = run_dir / TIMING_FILE
     timing = read_results(timing_path) if timing_path.exists() else {}
-    print(f"tau and speedup ({run_dir / 'evaluation'}; speeds from {timing_path}):\n"
+    print(f"tau and speedup of {run_dir} (every column: its report/tau_and_speedup.csv)\n\n"
           f"{headline_table(read_evaluations(paths), timing)}")
     return 0
 

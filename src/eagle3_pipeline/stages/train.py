@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import drafter_weights, jobs, metrics, reports
+from eagle3_pipeline.runtime.devices import describe, process_device
 from eagle3_pipeline.training import windows
 from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line, train
 from eagle3_pipeline.training.selection import summary
@@ -106,6 +108,7 @@ def run_process(job: TrainJob) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
+    started = time.monotonic()
     try:
         try:
             model = train(list(job.stores), job.target, job.vocab, job.state_dir, job.settings,
@@ -116,7 +119,10 @@ def run_process(job: TrainJob) -> None:
         if rank == 0:
             weights = {k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}
             drafter_weights.write_trained(job.weights, weights, model.config.as_dict())
-            result = summary(job.state_dir, job.settings)
+            # the report's line on the run: this job's wall time (a resumed job's, not the killed attempts')
+            result = summary(job.state_dir, job.settings) | {
+                "train_seconds": time.monotonic() - started,
+                "device": describe(str(process_device(job.settings.device)), world)}
             metrics.write_summary(job.summary, result)
             log.info("done: %s", result)
     finally:
