@@ -34,7 +34,7 @@ from eagle3_pipeline.drafter import objective
 from eagle3_pipeline.drafter.attention import flex_ttt_attention
 from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
-from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.training.settings import TrainSettings
 from eagle3_pipeline.workflow_config import schema_defaults
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"

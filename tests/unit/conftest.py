@@ -64,8 +64,8 @@ def trained_tiny_drafter(tmp_path):
     from eagle3_pipeline.runtime.decode import TargetRuntime
     from eagle3_pipeline.runtime.loading import load_model
     from eagle3_pipeline.stages import export
-    from eagle3_pipeline.stages.train import TrainSettings
     from eagle3_pipeline.training.loop import train
+    from eagle3_pipeline.training.settings import TrainSettings
     from eagle3_pipeline.workflow_config import schema_defaults
 
     target_dir, store, vocab_path = tiny_target_with_store(tmp_path)

@@ -22,10 +22,11 @@ from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.runtime import drafting
 from eagle3_pipeline.runtime.loading import load_config
 from eagle3_pipeline.stages import export
-from eagle3_pipeline.stages.train import TrainSettings, data_error_line
+from eagle3_pipeline.stages.train import data_error_line
 from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.resume import fingerprint_changes, run_fingerprint
 from eagle3_pipeline.training.selection import summary
+from eagle3_pipeline.training.settings import TrainSettings
 from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import tiny_target_with_store
 

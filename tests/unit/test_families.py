@@ -13,9 +13,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle3_pipeline import vocab
-from eagle3_pipeline.drafter.model import Drafter, DrafterConfig, UnsupportedTarget
+from eagle3_pipeline.drafter.config import DrafterConfig
+from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.drafter.objective import Teacher, target_argmax
-from eagle3_pipeline.families import final_logit_softcap, target_support_problem
+from eagle3_pipeline.families import UnsupportedTarget, final_logit_softcap, target_support_problem
 from eagle3_pipeline.formats import draft_vocab
 from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.stages import export

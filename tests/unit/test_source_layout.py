@@ -1,5 +1,6 @@
 """The layout rules docs/design.md states, checked on the source: artifacts are written and opened only in
-formats/, and modules and functions stay small enough to read (no stage importing another: test_stage_settings)."""
+formats/, modules and functions stay small enough to read, no import cycle and no arrow from a lower layer up to
+stages/ (no stage importing another: test_stage_settings)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,55 @@ def test_modules_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module's imports of the package's modules: top-level, function-local and TYPE_CHECKING ones alike
+    (`from package import name` counts as the submodule `package.name` where that is one). A package's
+    `__init__` importing its own submodules (re-exports, a factory choosing a backend) is left out: that is
+    how a package presents its parts, not an arrow between layers."""
+    names = {module_name(path): path for path in modules()}
+    graph = {}
+    for name, path in names.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3_pipeline"):
+                imported |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in names else node.module
+                             for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name.startswith("eagle3_pipeline")}
+        is_package = path.name == "__init__.py"
+        graph[name] = {m for m in imported if m in names and m != name
+                       and not (is_package and m.startswith(name + "."))}
+    return graph
+
+
+def test_no_module_below_the_stages_imports_a_stage():
+    upward = [f"{module} imports {imported}" for module, imports in import_graph().items()
+              for imported in imports
+              if imported.startswith("eagle3_pipeline.stages") and not module.startswith("eagle3_pipeline.stages")]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+
+    def reaches(start: str, goal: str) -> list[str] | None:
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop()
+            for nxt in sorted(graph[path[-1]]):
+                if nxt == goal:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    paths.append(path + [nxt])
+        return None
+
+    cycles = {" -> ".join(cycle) for module in graph if (cycle := reaches(module, module))}
+    assert not cycles, "\n".join(sorted(cycles))

@@ -23,13 +23,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from eagle3_pipeline.drafter.model import DrafterConfig
+from eagle3_pipeline.drafter.config import DrafterConfig
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, kv_heads, T, head_dim]
 TTTKernel = Callable[[torch.Tensor, Sequence[KVPair]], torch.Tensor]  # (queries, every step's keys/values) -> out

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,45 +24,9 @@ from eagle3_pipeline.runtime.devices import describe, process_device
 from eagle3_pipeline.training import windows
 from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line, train
 from eagle3_pipeline.training.selection import summary
+from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """The `train` config section as training uses it (no defaults here: they are config/schema.yaml's)."""
-    ttt_steps: int
-    step_weight_decay: float
-    learning_rate: float
-    warmup_steps: int
-    epochs: int
-    max_steps: int | None
-    batch_tokens: int
-    max_seq_len: int  # null in the config means data.max_seq_len: workflow_config fills it in
-    weight_decay: float
-    grad_clip: float
-    seed: int
-    checkpoint_every: int
-    log_every: int
-    num_workers: int
-    device: str
-    attention: str  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
-    compile: str | bool  # torch.compile the loss: "on", "off"; auto = on GPU
-    feature_noise: float  # Gaussian noise on the aux features, relative to each row's RMS
-    heldout_select_k: int  # keep the weights with the best offline tau at this draft length
-    pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
-    drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
-
-    # keys of the section that are not the training process's: the rule's resources and inputs use them
-    NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> TrainSettings:
-        """From the validated section; a key neither a setting nor in NOT_SETTINGS is an error, not dropped."""
-        unknown = set(section) - {f.name for f in fields(cls)} - cls.NOT_SETTINGS
-        if unknown:
-            raise ValueError(f"train settings: unknown keys {sorted(unknown)}")
-        return cls(**{f.name: section[f.name] for f in fields(cls)})
 
 
 # ---------------------------------------------------------------- the rule's job: one process, or torchrun

@@ -15,7 +15,8 @@ from eagle3_pipeline import logs
 from eagle3_pipeline.formats import reports, zarr_io
 from eagle3_pipeline.plan import human_bytes
 from eagle3_pipeline.plan_windows import GB
-from eagle3_pipeline.training.loop import DATA_ERRORS, PassJob, data_error_line
+from eagle3_pipeline.training.inputs import PassJob
+from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line
 from eagle3_pipeline.training.windows import Windows, train_pass, train_settings
 
 STORE_BYTES_LINE = "hidden stores on disk at the start of pass"  # the line the budget's workflow test reads

@@ -8,7 +8,6 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,11 +20,10 @@ from eagle3_pipeline.families import final_logit_softcap
 from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state, zarr_io
 from eagle3_pipeline.formats.target_dir import read_config, read_head
 from eagle3_pipeline.runtime.devices import process_device
+from eagle3_pipeline.training.inputs import PassJob, TrainingData
 from eagle3_pipeline.training.resume import is_main_process, run_fingerprint, save_checkpoint, starting_point
 from eagle3_pipeline.training.selection import HeldoutSelection
-
-if TYPE_CHECKING:
-    from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")  # the train job's log names, as before the split
 
@@ -88,24 +86,6 @@ def train(store_paths: list[Path], target_dir: Path, vocab_path: Path, state_dir
     if run.selection and stop_after_step is None:
         run.selection.restore_best(run.model)
     return run.model
-
-
-@dataclass(frozen=True)
-class TrainingData:
-    """What a run trains on: its batch schedule, the stores' aux layers, and its fingerprint (what decides the
-    weights; a checkpoint is resumed only under the same one)."""
-    schedule: BatchSchedule
-    aux_layer_ids: list[int]
-    fingerprint: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class PassJob:
-    """One pass of training under a disk budget (segment `index` of the schedule), from the checkpoint the pass
-    before ended with (`previous`; None for the first pass) to `output`."""
-    index: int
-    previous: Path | None
-    output: Path
 
 
 def world_size() -> int:

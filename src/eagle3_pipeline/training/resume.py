@@ -9,7 +9,7 @@ import logging
 import random
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,8 @@ import torch.distributed as dist
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import draft_vocab, drafter_weights, hidden_store, metrics, token_shards, train_state
 from eagle3_pipeline.formats.target_dir import content_hash
-
-if TYPE_CHECKING:
-    from eagle3_pipeline.stages.train import TrainSettings
-    from eagle3_pipeline.training.loop import PassJob, TrainingData
+from eagle3_pipeline.training.inputs import PassJob, TrainingData
+from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
 NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,9 +16,7 @@ from eagle3_pipeline.drafter.attention import TTTKernel
 from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import drafter_weights, metrics
-
-if TYPE_CHECKING:
-    from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
 

@@ -11,27 +11,24 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from eagle3_pipeline.drafter.batches import BatchSchedule, Segment
 from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, token_shards, train_state
 from eagle3_pipeline.plan_windows import extraction_groups
-from eagle3_pipeline.training.loop import PassJob, TrainingData, aux_layers_of, build_drafter, loop, set_up
+from eagle3_pipeline.training.inputs import PassJob, TrainingData
+from eagle3_pipeline.training.loop import aux_layers_of, build_drafter, loop, set_up
 from eagle3_pipeline.training.resume import windowed_fingerprint
 from eagle3_pipeline.training.selection import restore_best, summary
-
-if TYPE_CHECKING:
-    from eagle3_pipeline.stages.train import TrainSettings
+from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
 
 
 def train_settings(section: dict[str, Any]) -> TrainSettings:
-    """The `train` section as training settings, for the train_pass job (a stage may not import another)."""
-    from eagle3_pipeline.stages.train import TrainSettings
-
+    """The `train` section as training settings, for the train_pass job."""
     return TrainSettings.from_config(section)
 
 

@@ -1,0 +1,44 @@
+"""The `train` config section as the training loop reads it: a settings type of the training layer, built from
+the validated config (its defaults are config/schema.yaml's, nowhere else)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The `train` config section as training uses it (no defaults here: they are config/schema.yaml's)."""
+    ttt_steps: int
+    step_weight_decay: float
+    learning_rate: float
+    warmup_steps: int
+    epochs: int
+    max_steps: int | None
+    batch_tokens: int
+    max_seq_len: int  # null in the config means data.max_seq_len: workflow_config fills it in
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    checkpoint_every: int
+    log_every: int
+    num_workers: int
+    device: str
+    attention: str  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
+    compile: str | bool  # torch.compile the loss: "on", "off"; auto = on GPU
+    feature_noise: float  # Gaussian noise on the aux features, relative to each row's RMS
+    heldout_select_k: int  # keep the weights with the best offline tau at this draft length
+    pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
+    drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
+
+    # keys of the section that are not the training process's: the rule's resources and inputs use them
+    NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> TrainSettings:
+        """From the validated section; a key neither a setting nor in NOT_SETTINGS is an error, not dropped."""
+        unknown = set(section) - {f.name for f in fields(cls)} - cls.NOT_SETTINGS
+        if unknown:
+            raise ValueError(f"train settings: unknown keys {sorted(unknown)}")
+        return cls(**{f.name: section[f.name] for f in fields(cls)})
