@@ -194,10 +194,10 @@ def schema_defaults(section: str, schema_path: Path | None = None) -> dict[str, 
 def _defaults(schema: dict[str, Any]) -> dict[str, Any]:
     values = {}
     for key, sub in (schema.get("properties") or {}).items():
-        if "default" in sub:
+        if sub.get("type") == "object" and "properties" in sub:
+            values[key] = sub.get("default", {}) | _defaults(sub)  # its keys' defaults, as validation fills them
+        elif "default" in sub:
             values[key] = sub["default"]
-        elif sub.get("type") == "object":
-            values[key] = _defaults(sub)
     return values
 
 

@@ -31,9 +31,13 @@ STAGES = ROOT / "src" / "eagle3_pipeline" / "stages"
 def embedded_config() -> dict:
     """config/config.yaml with the schema's defaults filled in, as the workflow sees it."""
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    sections = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())["properties"]
+    config |= {name: {} for name, spec in sections.items() if spec.get("type") == "object" and name not in config}
     for section, values in config.items():
         if isinstance(values, dict):
-            config[section] = schema_defaults(section) | values
+            defaults = schema_defaults(section)
+            config[section] = defaults | {key: defaults[key] | value if isinstance(value, dict) else value
+                                          for key, value in values.items()}
     workflow_config.link_max_seq_len(config)
     return config
 

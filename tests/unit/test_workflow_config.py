@@ -24,6 +24,42 @@ def test_the_shipped_config_passes_the_schema():
     check_schema(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), SCHEMA)
 
 
+def restated_defaults(config: dict, defaults: dict, prefix: str = "") -> list[str]:
+    """Keys of `config` whose value is the schema's default (nested mappings compared key by key)."""
+    found = []
+    for key, value in config.items():
+        if key not in defaults:
+            continue
+        if isinstance(value, dict) and isinstance(defaults[key], dict) and defaults[key]:
+            found += restated_defaults(value, defaults[key], f"{prefix}{key}.")
+        elif value == defaults[key]:
+            found.append(f"{prefix}{key}: {value!r}")
+    return found
+
+
+def schema_default_values(schema: dict) -> dict:
+    """Every key's default, nested: a section's defaults are its properties' defaults."""
+    values = {}
+    for key, spec in schema.get("properties", {}).items():
+        if spec.get("type") == "object" and "properties" in spec:
+            values[key] = schema_default_values(spec)
+        elif "default" in spec:
+            values[key] = spec["default"]
+    return values
+
+
+def test_the_shipped_config_holds_only_its_own_choices():
+    """A default lives in the schema alone: config/config.yaml restating one would be a second place to change."""
+    shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert not restated_defaults(shipped, schema_default_values(yaml.safe_load(SCHEMA.read_text())))
+
+
+def test_a_restated_default_is_found():
+    defaults = schema_default_values(yaml.safe_load(SCHEMA.read_text()))
+    assert restated_defaults({"train": {"ttt_steps": 7, "epochs": 3}, "evaluate": {"timing": {"prompts": 20}}},
+                             defaults) == ["train.ttt_steps: 7", "evaluate.timing.prompts: 20"]
+
+
 def test_an_unknown_key_is_named_with_the_keys_allowed_there():
     config = base_config()
     config["data"] = {**config["data"], "colour": "blue"}
