@@ -191,6 +191,12 @@ def schema_defaults(section: str, schema_path: Path | None = None) -> dict[str, 
     return _defaults(yaml.safe_load(Path(path).read_text())["properties"][section])
 
 
+def schema_top_level_default(key: str, schema_path: Path | None = None) -> Any:
+    """A top-level key's default (`results_dir`), for code reading a config file without the workflow."""
+    path = schema_path or Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+    return yaml.safe_load(Path(path).read_text())["properties"][key]["default"]
+
+
 def _defaults(schema: dict[str, Any]) -> dict[str, Any]:
     values = {}
     for key, sub in (schema.get("properties") or {}).items():

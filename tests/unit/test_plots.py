@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
@@ -78,6 +79,17 @@ def test_the_headline_table_shows_tau_and_the_timed_speedups(run_dir, capsys):
     assert verdicts[0] == ("  held-out: Not timed: eagle3@k=2, tau 1.75 (the highest tau); the timing pass did not "
                            "time it, so its speed is unknown")
     assert verdicts[1] == "  mtbench-package: Serve: eagle3@k=2, tau 2.50: 2.10x the target alone"
+
+
+def test_the_run_directory_of_the_shipped_config_takes_results_dir_from_the_schema(tmp_path):
+    """`make run` ends with `plots --config config/config.yaml`, which leaves results_dir to the schema."""
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("run: other\n")
+    shipped = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
+    assert plots.run_directory([shipped]) == Path("results/smollm2-default")
+    assert plots.run_directory([shipped, overlay]) == Path("results/other")
+    overlay.write_text("run: other\nresults_dir: /scratch/runs\n")
+    assert plots.run_directory([shipped, overlay]) == Path("/scratch/runs/other")
 
 
 def test_the_headline_without_results_says_where_it_looked(tmp_path, capsys):

@@ -189,10 +189,12 @@ def run_directory(configs: list[Path]) -> Path:
     """results/<run> of a config (later files override earlier ones, as with snakemake --configfile)."""
     import yaml
 
+    from eagle3_pipeline.workflow_config import schema_top_level_default
+
     config: dict[str, Any] = {}
     for path in configs:
         config |= yaml.safe_load(Path(path).read_text())
-    return Path(config["results_dir"]) / config["run"]
+    return Path(config.get("results_dir") or schema_top_level_default("results_dir")) / config["run"]
 
 
 def main(argv: list[str] | None = None) -> int:
