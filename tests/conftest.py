@@ -35,9 +35,11 @@ SAFETY_TIMEOUT_S = 3600.0
 def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) -> dict:
     """`defaults` (the shipped config) with `sections` replacing its keys, one level deep. A section the shipped
     config leaves to the schema is there as an empty mapping (validation fills it), so tests can merge into it."""
+    from eagle3_pipeline.workflow_config import schema_properties
+
     config = yaml.safe_load(Path(defaults).read_text())
-    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())["properties"]
-    config |= {name: {} for name, spec in schema.items() if spec.get("type") == "object" and name not in config}
+    config |= {name: {} for name, spec in schema_properties().items()
+               if spec.get("type") == "object" and name not in config}
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}

@@ -184,17 +184,21 @@ def link_max_seq_len(config: dict[str, Any]) -> None:
                           f"({data_len}), the longest sequence the stores hold; lower it or leave it null")
 
 
+def schema_properties(schema_path: Path | None = None) -> dict[str, Any]:
+    """The schema's top-level keys (config/schema.yaml unless another file is named)."""
+    path = schema_path or Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+    return yaml.safe_load(Path(path).read_text())["properties"]
+
+
 def schema_defaults(section: str, schema_path: Path | None = None) -> dict[str, Any]:
     """The schema's defaults of one config section (nested objects included): what a validated config holds
     for keys it leaves out. For callers outside the workflow (tests, benchmarks) building stage settings."""
-    path = schema_path or Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
-    return _defaults(yaml.safe_load(Path(path).read_text())["properties"][section])
+    return _defaults(schema_properties(schema_path)[section])
 
 
 def schema_top_level_default(key: str, schema_path: Path | None = None) -> Any:
     """A top-level key's default (`results_dir`), for code reading a config file without the workflow."""
-    path = schema_path or Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
-    return yaml.safe_load(Path(path).read_text())["properties"][key]["default"]
+    return schema_properties(schema_path)[key]["default"]
 
 
 def _defaults(schema: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from eagle3_pipeline import workflow_config
 from eagle3_pipeline.stages import (
@@ -25,14 +24,13 @@ from eagle3_pipeline.stages import (
     vocab,
 )
 from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
+from tests.conftest import base_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ROOT / "src" / "eagle3_pipeline" / "stages"
 def embedded_config() -> dict:
     """config/config.yaml with the schema's defaults filled in, as the workflow sees it."""
-    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    sections = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())["properties"]
-    config |= {name: {} for name, spec in sections.items() if spec.get("type") == "object" and name not in config}
+    config = base_config()
     for section, values in config.items():
         if isinstance(values, dict):
             defaults = schema_defaults(section)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from eagle3_pipeline.reporting.headline import headlines, verdict
+from eagle3_pipeline.reporting.headline import Headline, headlines, verdict
 
 WIDTH = 120
 COLUMNS = ("method", "tau", "speedup", "tokens/s", "draft ms", "verify ms", "diverged")
@@ -31,12 +31,11 @@ def aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
             for row in rows]
 
 
-def set_table(name: str, result: dict[str, Any], timing: dict[str, Any]) -> list[str]:
-    speeds = timing.get("sets", {}).get(name, {})
-    prompts = max(values["prompts"] for values in result["summary"].values())
-    timed = max((speed["prompts"] for speed in speeds.values()), default=0)
-    title = (f"{name}: tau over {prompts} prompts (tau pass), "
-             + (f"speeds over {timed} (timing pass)" if timed else "no timing pass"))
+def set_table(line: Headline, result: dict[str, Any], timing: dict[str, Any]) -> list[str]:
+    """The prompt set's title (its counts are the headline's) and a row per method."""
+    speeds = timing.get("sets", {}).get(line.prompt_set, {})
+    title = (f"{line.prompt_set}: tau over {line.prompts} prompts (tau pass), "
+             + (f"speeds over {line.timed_prompts} (timing pass)" if line.timed_prompts else "no timing pass"))
     rows = [list(COLUMNS)] + [method_cells(method, values, speeds.get(method))
                               for method, values in result["summary"].items()]
     return [title, *aligned(rows)]
@@ -65,10 +64,11 @@ def flag_lines(evaluations: dict[str, dict[str, Any]]) -> list[str]:
 def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any]) -> str:
     """Every line fits WIDTH columns (a long warning is wrapped)."""
     lines: list[str] = []
-    for name, result in evaluations.items():
-        lines += [*set_table(name, result, timing), ""]
+    sets = headlines(evaluations, timing)
+    for line in sets:
+        lines += [*set_table(line, evaluations[line.prompt_set], timing), ""]
     lines += ["Verdict (per prompt set, the fastest measured EAGLE-3 setting against the target and prompt lookup):"]
-    for line in headlines(evaluations, timing):
+    for line in sets:
         label, sentence = verdict(line)
         lines.append(textwrap.fill(f"{label}: {sentence}", WIDTH, initial_indent=f"  {line.prompt_set}: ",
                                    subsequent_indent="    "))
