@@ -134,7 +134,8 @@ def test_validator_catches_killed_truncated_and_missing_shards(tmp_path, token_s
     shard_file = out / "last_hidden_states" / "c" / "1" / "0"
     data = shard_file.read_bytes()
     shard_file.write_bytes(data[: len(data) // 2])
-    with pytest.raises(hidden_store.InvalidStore, match=r"array last_hidden_states, chunk \d+ .*c/1/0\) is corrupt"):
+    with pytest.raises(hidden_store.InvalidStore, match=r"array last_hidden_states, file last_hidden_states/c/1/0 is "
+                                                        r"corrupt"):
         hidden_store.validate(out)
     shard_file.unlink()
     with pytest.raises(hidden_store.InvalidStore, match="missing"):

@@ -112,6 +112,38 @@ def test_hidden_store_round_trip_and_a_missing_shard_file(tmp_path):
         hidden_store.validate(path)
 
 
+def test_hidden_store_validation_checks_every_shard_files_index(tmp_path):
+    """validate decodes a sample of chunks, but reads the index of every zarr shard file: a damaged index in a
+    file none of the sampled chunks live in is still refused, naming the file."""
+    from eagle3_pipeline.formats import zarr_io
+
+    rng = np.random.default_rng(1)
+    tokens, hidden = 2000, 16
+    offsets = np.array([0, 700, tokens], np.int64)
+    aux = torch.from_numpy(rng.standard_normal((tokens, 3, hidden), dtype=np.float32)).bfloat16()
+    last = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32)).bfloat16()
+    sequences = {"input_ids": rng.integers(0, 50, tokens).astype(np.int32), "loss_mask": np.ones(tokens, np.uint8),
+                 "seq_offsets": offsets, "sample_ids": ["a", "b"]}
+    path = tmp_path / "shard-00000.zarr"
+    writer = hidden_store.StoreWriter(path, tokens, hidden, {"num_sequences": 2, "aux_layer_ids": [1, 2, 3]},
+                                      sequences, writer_threads=2, shard_bytes=4 << 10)
+    writer.append(hidden_store.encode(aux, last, "bfloat16"))
+    writer.finish({})
+    hidden_store.validate(path)
+    file = path / "aux_hidden_states" / "c" / "1" / "0" / "0"  # chunk 1 of 63: not among the 16 sampled
+    original = file.read_bytes()
+    index_start = len(original) - 16 - zarr_io.CHECKSUM_BYTES  # one chunk per file here: one (offset, size)
+    file.write_bytes(original[:index_start] + bytes([original[index_start] ^ 1]) + original[index_start + 1:])
+    with pytest.raises(hidden_store.InvalidStore, match=r"aux_hidden_states/c/1/0/0 is corrupt \(its index fails"):
+        hidden_store.validate(path)
+    past_end = np.array([[0, index_start + 1]], dtype="<u8").tobytes()  # a well-formed index, one byte too long
+    file.write_bytes(original[:index_start] + past_end + zarr_io.crc32c_bytes(past_end))
+    with pytest.raises(hidden_store.InvalidStore, match=r"c/1/0/0 is corrupt \(its index points past"):
+        hidden_store.validate(path)
+    file.write_bytes(original)
+    hidden_store.validate(path)
+
+
 def test_draft_vocab_identity_is_its_content_not_its_header_bytes(tmp_path):
     vocab = draft_vocab.DraftVocab(np.array([1, 4, 7], np.int64), np.arange(10, dtype=np.int64))
     paths = [tmp_path / f"vocab{i}.safetensors" for i in range(6)]

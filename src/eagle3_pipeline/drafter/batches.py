@@ -75,7 +75,9 @@ class Segment:
 
 
 def store_lengths(path: Path, max_seq_len: int) -> np.ndarray:
-    return np.minimum(hidden_store.HiddenStore(path).lengths(), max_seq_len)
+    """A store's sequence lengths as batches see them; the store was validated by whoever chose it (training
+    checks all its stores at once, in parallel)."""
+    return np.minimum(hidden_store.HiddenStore(path, validate_store=False).lengths(), max_seq_len)
 
 
 class BatchSchedule(torch.utils.data.Dataset):

@@ -123,7 +123,10 @@ class TrainingRun:
 
 
 def aux_layers_of(store_paths: list[Path]) -> list[int]:
-    stores = [hidden_store.validate(p) for p in store_paths]  # refuse invalid stores up front
+    started = time.monotonic()
+    stores = hidden_store.validate_all(store_paths)  # refuse invalid stores up front
+    log.info("checked %d hidden-state stores (%s tokens) in %.1f s", len(stores),
+             f"{sum(s['num_tokens'] for s in stores):,}", time.monotonic() - started)
     aux_layer_ids = stores[0]["aux_layer_ids"]
     if any(s["aux_layer_ids"] != aux_layer_ids for s in stores):
         raise ValueError("hidden-state stores disagree on aux_layer_ids; they come from different extractions")

@@ -15,7 +15,7 @@ from eagle3_pipeline.drafter import offline_acceptance
 from eagle3_pipeline.drafter.attention import TTTKernel
 from eagle3_pipeline.drafter.batches import BatchSchedule
 from eagle3_pipeline.drafter.model import Drafter
-from eagle3_pipeline.formats import drafter_weights, metrics
+from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics
 from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
@@ -28,6 +28,7 @@ class HeldoutSelection:
 
     def __init__(self, paths: list[Path], settings: TrainSettings, lm_head: torch.Tensor, state_dir: Path,
                  start: int, device: torch.device, attention: TTTKernel):
+        hidden_store.validate_all(paths)  # refused before the first epoch, not after it
         self.schedule = BatchSchedule(paths, replace(settings, epochs=1))
         self.settings, self.lm_head, self.device = settings, lm_head, device
         self.attention = attention  # the training's TTT kernel: the estimate unrolls the drafter the same way

@@ -68,13 +68,14 @@ def windowed_data(windows: Windows, index: int, heldout_paths: list[Path], extra
     """Pass `index`'s view of the run: the whole schedule, and this pass's stores checked against the plan."""
     plan = segments(windows, settings.max_seq_len)
     current = plan[index]
+    aux_layer_ids = aux_layers_of(list(current.paths))  # validates them
     for path, lengths in zip(current.paths, current.lengths, strict=True):
-        found = np.minimum(hidden_store.HiddenStore(path).lengths(), settings.max_seq_len)
+        found = np.minimum(hidden_store.HiddenStore(path, validate_store=False).lengths(), settings.max_seq_len)
         if not np.array_equal(found, lengths):
             raise hidden_store.InvalidStore(f"{path}: its sequences differ from its token shard's; delete it")
     fingerprint = windowed_fingerprint([windows.token_shards[s] for s in windows.token_shards], heldout_paths,
                                        extract, windows.as_dict(), target_dir, vocab_path, settings)
-    return TrainingData(BatchSchedule([], settings, plan), aux_layers_of(list(current.paths)), fingerprint)
+    return TrainingData(BatchSchedule([], settings, plan), aux_layer_ids, fingerprint)
 
 
 def train_pass(windows: Windows, pass_job: PassJob, heldout_paths: list[Path], extract: dict[str, Any],

@@ -168,8 +168,9 @@ def validate(path: Path) -> dict[str, Any]:
         raise InvalidStore(f"{path}: seq_offsets do not cover {num_tokens} tokens")
     rows_per_shard = attrs["rows_per_shard"]
     for name in (spec.name for spec in hidden_specs):
+        trailing = ["0"] * (group[name].ndim - 1)
         for index in range(math.ceil(num_tokens / rows_per_shard)):
-            key = Path(name, "c", str(index), *["0"] * (group[name].ndim - 1))
+            key = Path(name, "c", str(index), *trailing)
             if not (path / key).is_file():  # zarr would read a missing shard file as zeros
                 raise InvalidStore(f"{path}: zarr shard file {key} is missing")
     try:  # bounded: a sample of chunks of every array, one in every shard file (checks its index)
@@ -177,6 +178,15 @@ def validate(path: Path) -> dict[str, Any]:
     except zarr_io.CorruptChunk as exc:
         raise InvalidStore(str(exc)) from exc
     return attrs
+
+
+def validate_all(paths: list[Path], threads: int = 8) -> list[dict[str, Any]]:
+    """`validate` for many stores at once (reading their sample chunks is I/O and decompression: threads
+    overlap it), in the order given; the first invalid store's error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
+        return list(pool.map(validate, paths))
 
 
 from eagle3_pipeline.formats.hidden_store.writer import StoreWriter  # noqa: E402, F401 (needs the names above)
