@@ -19,6 +19,8 @@
 #             bench_decode.py --serving in a later session. GPU_TESTS=1: the CUDA-only test modules, each in a
 #             pytest process of its own (a CUDA fault in one would break the other's context), beside the data
 #             stage of the first call; their output in the bundle under logs/gpu-tests/.
+#             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
+#             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed).
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
@@ -61,13 +63,38 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
   local left=$((deadline - SECONDS)) cmd
   [ $left -gt 30 ] || { echo "$name: no time left in this call"; return; }
   snakemake_for "$@"
-  # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
-  # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
-  timeout -k 20 $left "${cmd[@]}" >> "$out/$name.log" 2>&1
-  echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$name.log"
+  if [ "${DETACH:-0}" = 1 ]; then
+    detached "$name" || return 0
+  else
+    # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
+    # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
+    timeout -k 20 $left "${cmd[@]}" >> "$out/$name.log" 2>&1
+    echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$name.log"
+  fi
   if "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
     "${cmd[@]}" --report "$out/$name-report.html" >> "$out/$name.log" 2>&1 && echo "$name: report written"
   fi
+}
+
+detached() {  # detached NAME: $cmd in a process session of its own (setsid), which the device lets run on after the
+  # call returns, for as long as the machine stays warm: the next call waits on it instead of killing and resuming
+  # it (a resume costs a minute or more: Snakemake's start, the stores' checks, the compile, the lost steps).
+  # Returns 0 once it has ended (its exit status in the log), 1 while it still runs at this call's deadline.
+  local name=$1 state=/tmp/e3-detached/$1
+  mkdir -p "$state"
+  if [ ! -e "$state/pid" ]; then
+    setsid bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "${cmd[@]}" < /dev/null &
+    echo $! > "$state/pid"
+    echo "$name: started in its own session (pid $(cat "$state/pid")) at $SECONDS s"
+  fi
+  while [ ! -e "$state/rc" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    sleep 5
+  done
+  cp "$state/log" "$out/$name.log" 2>/dev/null
+  if [ -e "$state/rc" ]; then
+    echo "$name: snakemake exit $(cat "$state/rc") at $SECONDS s"; tail -3 "$out/$name.log"; return 0
+  fi
+  echo "$name: still running at $SECONDS s (the next call waits on it)"; tail -2 "$out/$name.log"; return 1
 }
 
 two_runs() {  # the first run ($FIRST overlays) and the second ($SECOND): names, locks left by a stopped call, plan
@@ -153,8 +180,10 @@ case $stage in
        done) &
     fi
     snakemake_for "${second[@]}"
-    "${cmd[@]}" --unlock >/dev/null 2>&1
-    "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
+      "${cmd[@]}" --unlock >/dev/null 2>&1
+      "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+    fi
     pipeline "$second_name" "${second[@]}"
     # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
     [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
