@@ -34,9 +34,9 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
-from eagle3_pipeline.runtime import loading
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
 from eagle3_pipeline.runtime.speculative import synchronize
+from eagle3_pipeline.runtime.target import loading
 from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
 from eagle3_pipeline.stages import evaluate_timing, target
 

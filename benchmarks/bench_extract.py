@@ -22,7 +22,7 @@ import torch
 from eagle3_pipeline import plan
 from eagle3_pipeline.formats import hidden_store, token_shards, zarr_io
 from eagle3_pipeline.formats.hidden_store import storage_order
-from eagle3_pipeline.runtime.backends.hf import HFBackend, pick_device, pick_dtype
+from eagle3_pipeline.runtime.extraction.hf import HFBackend, pick_device, pick_dtype
 from eagle3_pipeline.stages.extract import extract_shard, plan_batches
 from eagle3_pipeline.tokenization import TokenizedConversation
 
@@ -127,7 +127,7 @@ def main() -> None:
         big(args, device, workdir)
         shutil.rmtree(workdir)
         return
-    from eagle3_pipeline.runtime.loading import load_model
+    from eagle3_pipeline.runtime.target.loading import load_model
 
     model = load_model(args.target, device=device, dtype=pick_dtype("auto", device))
     backend = HFBackend(model)

@@ -70,7 +70,7 @@ class TokenizerSource:
 
     def _load(self, saved_dir: Path) -> Any:
         if is_materialised(self.target_dir):  # what the tokenize stage itself loads
-            from eagle3_pipeline.runtime.loading import load_tokenizer
+            from eagle3_pipeline.runtime.target.loading import load_tokenizer
 
             return load_tokenizer(self.target_dir, self.trust_remote_code)
         gguf = gguf_path(self.source, self.gguf_file)

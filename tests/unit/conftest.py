@@ -27,7 +27,7 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
     from eagle3_pipeline import vocab as vocab_module
     from eagle3_pipeline.formats import draft_vocab as draft_vocab_format
     from eagle3_pipeline.formats import token_shards
-    from eagle3_pipeline.runtime.backends.hf import HFBackend
+    from eagle3_pipeline.runtime.extraction.hf import HFBackend
     from eagle3_pipeline.stages.extract import extract_shard
     from eagle3_pipeline.tokenization import TokenizedConversation
 
@@ -62,7 +62,7 @@ def trained_tiny_drafter(tmp_path):
     server would, with that target's runtime and store: (target runtime, drafter, store path)."""
     from eagle3_pipeline.runtime import drafting
     from eagle3_pipeline.runtime.decode import TargetRuntime
-    from eagle3_pipeline.runtime.loading import load_model
+    from eagle3_pipeline.runtime.target.loading import load_model
     from eagle3_pipeline.stages import export
     from eagle3_pipeline.training.loop import train
     from eagle3_pipeline.training.settings import TrainSettings
@@ -89,7 +89,7 @@ def trained_tiny(tmp_path_factory):
 def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
     """An untrained SmolLM2-shaped drafter, exported as the pipeline exports a trained one."""
     from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-    from eagle3_pipeline.runtime.loading import load_config
+    from eagle3_pipeline.runtime.target.loading import load_config
     from eagle3_pipeline.stages import export
 
     torch.manual_seed(seed)

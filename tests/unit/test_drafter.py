@@ -20,7 +20,7 @@ from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics,
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.runtime import drafting
-from eagle3_pipeline.runtime.loading import load_config
+from eagle3_pipeline.runtime.target.loading import load_config
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import data_error_line
 from eagle3_pipeline.training.loop import train

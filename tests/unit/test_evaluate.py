@@ -10,8 +10,8 @@ import torch
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
 from eagle3_pipeline.stages import evaluate, evaluate_timing
 from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import smollm2_serving_dir
@@ -271,7 +271,7 @@ def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_
 def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_path, monkeypatch, static_layers_crop):
     from transformers.cache_utils import StaticLayer
 
-    from eagle3_pipeline.runtime.loading import load_tokenizer
+    from eagle3_pipeline.runtime.target.loading import load_tokenizer
 
     if not static_layers_crop:  # as in transformers 5.17 (the H200s' version): StaticLayer has no crop
         monkeypatch.delattr(StaticLayer, "crop")

@@ -12,8 +12,8 @@ import zarr
 
 from eagle3_pipeline.formats import hidden_store, token_shards, zarr_io
 from eagle3_pipeline.formats.hidden_store import storage_order
-from eagle3_pipeline.runtime.backends import BackendInfo, check_aux_layer_ids, default_aux_layer_ids
-from eagle3_pipeline.runtime.backends.hf import HFBackend
+from eagle3_pipeline.runtime.extraction import BackendInfo, check_aux_layer_ids, default_aux_layer_ids
+from eagle3_pipeline.runtime.extraction.hf import HFBackend
 from eagle3_pipeline.stages.extract import NonFiniteActivations, extract_shard, plan_batches
 from eagle3_pipeline.tokenization import TokenizedConversation
 from tests.conftest import flip_bytes_inside_a_chunk

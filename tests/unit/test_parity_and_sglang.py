@@ -10,10 +10,10 @@ import logging
 import numpy as np
 import pytest
 
-from eagle3_pipeline.runtime import loading
-from eagle3_pipeline.runtime.backends import sglang_layer_ids
-from eagle3_pipeline.runtime.backends.hf import HFBackend
-from eagle3_pipeline.runtime.backends.sglang import SGLangBackend, SGLangError, prefill_states
+from eagle3_pipeline.runtime.extraction import sglang_layer_ids
+from eagle3_pipeline.runtime.extraction.hf import HFBackend
+from eagle3_pipeline.runtime.extraction.sglang import SGLangBackend, SGLangError, prefill_states
+from eagle3_pipeline.runtime.target import loading
 from eagle3_pipeline.stages import parity
 from tests.conftest import DATA, sglang_server_info, sglang_servers
 

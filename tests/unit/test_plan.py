@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from eagle3_pipeline import assets, plan, plan_fixed, target_shape
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-from eagle3_pipeline.runtime.loading import load_config
+from eagle3_pipeline.runtime.target.loading import load_config
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import resume
 from eagle3_pipeline.workflow_config import schema_defaults

@@ -15,7 +15,7 @@ import pytest
 from eagle3_pipeline import assets, plan, plan_tokenizer, plan_tokens
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_raw_records, iter_records_in, read_input
-from eagle3_pipeline.runtime.loading import load_tokenizer
+from eagle3_pipeline.runtime.target.loading import load_tokenizer
 from eagle3_pipeline.stages import ingest, tokenize
 from eagle3_pipeline.tokenization import template_hash
 

@@ -13,7 +13,7 @@ from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.loading import load_model, load_tokenizer
+from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
 from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, sglang_flags, tree_speculative
 from eagle3_pipeline.runtime.tree_graph import keep_best
 from tests.unit.conftest import tiny_llama

@@ -132,7 +132,7 @@ def test_a_template_less_target_stops_at_tokenize_naming_the_setting(tmp_path, t
     target = tmp_path / "results/bad/target"
     assert (target / "chat_template.jinja").read_text() == template.read_text()
     assert not (base_model / "chat_template.jinja").exists()  # the source directory is untouched
-    from eagle3_pipeline.runtime import loading
+    from eagle3_pipeline.runtime.target import loading
 
     tokenizer = loading.load_tokenizer(target)
     convs = {c["id"]: c for c in conversation_shards.read(tmp_path / "results/bad/conversations/shard-00000.jsonl")}

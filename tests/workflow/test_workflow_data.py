@@ -96,7 +96,7 @@ def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, override, mess
 def test_shard_tokens_match_the_conversations(data_stage_run):
     """Decode each sequence's masked tokens: they are the assistant replies of that conversation."""
     workdir = data_stage_run[0]
-    from eagle3_pipeline.runtime.loading import load_tokenizer
+    from eagle3_pipeline.runtime.target.loading import load_tokenizer
 
     tokenizer = load_tokenizer(workdir / "results" / "tiny" / "target")
     convs = {c["id"]: c for c in conversation_shards.read(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.runtime.loading import load_model
+from eagle3_pipeline.runtime.target.loading import load_model
 from tests.conftest import base_config, run_snakemake, sglang_server_info, sglang_servers
 from tests.workflow.conftest import tiny_data_config
 

@@ -291,7 +291,7 @@ def steps_without_cuda_graphs() -> int:
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,
          timing_pass: bool, trust_remote_code: bool, log: Any) -> tuple[TargetRuntime, Any]:
     """The target (device and dtype as asked, aux capture, compiled where it should be) and its tokenizer."""
-    from eagle3_pipeline.runtime import loading
+    from eagle3_pipeline.runtime.target import loading
 
     tokenizer = loading.load_tokenizer(target_dir, trust_remote_code)
     model = loading.load_model(target_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -173,7 +173,7 @@ def load_models(target_dir: Path, serving_dir: Path, device_setting: str, dtype_
     """The target runtime (aux capture; compiled where `evaluate.compile` says), its tokenizer and the drafters,
     all loaded from disk as a server would."""
     from eagle3_pipeline.runtime import decode as runtime
-    from eagle3_pipeline.runtime.devices import pick_device
+    from eagle3_pipeline.runtime.target.devices import pick_device
 
     device = pick_device(device_setting)
     dtype = getattr(torch, dtype_name)

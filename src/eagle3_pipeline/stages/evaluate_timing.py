@@ -13,7 +13,6 @@ from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
-from eagle3_pipeline.runtime.devices import describe, pick_device
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import (
     Trace,
@@ -23,6 +22,7 @@ from eagle3_pipeline.runtime.speculative import (
     prepared_methods,
     timing_summary,
 )
+from eagle3_pipeline.runtime.target.devices import describe, pick_device
 from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 
 

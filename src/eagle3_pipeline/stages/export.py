@@ -13,7 +13,7 @@ from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import drafter_weights, serving_dir
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
-from eagle3_pipeline.runtime.backends import sglang_layer_ids
+from eagle3_pipeline.runtime.extraction import sglang_layer_ids
 
 
 @dataclass(frozen=True)

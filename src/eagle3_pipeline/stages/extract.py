@@ -18,8 +18,8 @@ from eagle3_pipeline.formats import hidden_store, token_shards
 from eagle3_pipeline.formats.hidden_store import storage_order
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
-from eagle3_pipeline.runtime import backends
-from eagle3_pipeline.runtime.backends import Backend, finite_rows
+from eagle3_pipeline.runtime import extraction
+from eagle3_pipeline.runtime.extraction import Backend, finite_rows
 
 
 class NonFiniteActivations(ValueError):
@@ -31,7 +31,7 @@ class Settings:
     token_budget: int  # padded tokens per forward batch
     writer_threads: int
     store_shard_bytes: int  # raw bytes per zarr shard file (the unit of writing and of resume)
-    backend: dict[str, Any]  # the `extract` section as runtime.backends.from_config reads it
+    backend: dict[str, Any]  # the `extract` section as runtime.extraction.from_config reads it
     trust_remote_code: bool
     store_dtype: str  # how the store keeps the states (formats/hidden_store/rows.py)
 
@@ -151,7 +151,7 @@ def _drain(in_flight, writer: hidden_store.StoreWriter, sequences: dict[str, Any
 
 
 def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
-    backend = backends.from_config(settings.backend, target_dir, settings.trust_remote_code)
+    backend = extraction.from_config(settings.backend, target_dir, settings.trust_remote_code)
     identity = read_identity(target_dir)
     attrs = extract_shard(
         backend, tokens, output, settings.token_budget, settings.writer_threads,

@@ -21,10 +21,10 @@ import torch
 
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import reports, token_shards
-from eagle3_pipeline.runtime import backends
-from eagle3_pipeline.runtime.backends import Backend
-from eagle3_pipeline.runtime.devices import pick_device
-from eagle3_pipeline.runtime.loading import load_model
+from eagle3_pipeline.runtime import extraction
+from eagle3_pipeline.runtime.extraction import Backend
+from eagle3_pipeline.runtime.target.devices import pick_device
+from eagle3_pipeline.runtime.target.loading import load_model
 
 COSINE_THRESHOLD = 0.99
 ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower
@@ -39,7 +39,7 @@ class Settings:
     sequences: int  # the first sequences of token shard 0
     max_tokens: int  # each cut to this many tokens
     device: str  # where the fp32 reference runs
-    backend: dict[str, Any]  # the `extract` section: the backend under test, as runtime.backends.from_config reads it
+    backend: dict[str, Any]  # the `extract` section: the backend under test, as runtime.extraction.from_config reads it
     trust_remote_code: bool
 
     @classmethod
@@ -169,7 +169,7 @@ def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log_pa
     """The `parity` rule: raise ParityError (naming the causes) unless the backend matches the reference."""
     shard = token_shards.read(tokens)
     sequences = [shard.sequence(i)[0][: settings.max_tokens] for i in range(min(settings.sequences, len(shard)))]
-    backend = backends.from_config(settings.backend, target_dir, settings.trust_remote_code)
+    backend = extraction.from_config(settings.backend, target_dir, settings.trust_remote_code)
     reference = load_model(target_dir, device=pick_device(settings.device), dtype=torch.float32,
                                   trust_remote_code=settings.trust_remote_code)
     report = check(backend, reference, sequences, log)

@@ -3,7 +3,7 @@
 A drafter learns to predict the target; replies written by other models (ShareGPT is ChatGPT's) teach it
 a distribution the target does not produce at serving time. Here every assistant turn is rewritten by the
 target, conditioned on the regenerated history; system and user turns are kept. Two engines
-(runtime/generation.py) share one driver, here: HF `generate` and any OpenAI-compatible server.
+(runtime/generation/) share one driver, here: HF `generate` and any OpenAI-compatible server.
 
 Loops: a small target decoding greedily often repeats itself until max_new_tokens (on an H200 run, 65 % of
 SmolLM2-135M's greedy replies had over 30 % repeated word 4-grams, against 2 % of ShareGPT's). Such replies
@@ -31,13 +31,13 @@ from eagle3_pipeline.formats import conversation_shards, journal
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' errors, part of this stage's contract
     Engine,
-    HFEngine,
-    OpenAIEngine,
     Reply,
     RequestRejected,
     ServerUnavailable,
     Settings,
 )
+from eagle3_pipeline.runtime.generation.hf import HFEngine
+from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 
 
@@ -217,7 +217,7 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
               log: logging.Logger) -> dict[str, Any]:
     """The `regenerate` rule: one conversation shard in, one regenerated shard out (atomic)."""
     from eagle3_pipeline.formats.target_dir import read_identity
-    from eagle3_pipeline.runtime.loading import load_tokenizer
+    from eagle3_pipeline.runtime.target.loading import load_tokenizer
 
     identity = read_identity(target_dir)["content_hash"]
     tokenizer = load_tokenizer(target_dir, settings.trust_remote_code)

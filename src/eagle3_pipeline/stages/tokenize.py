@@ -12,7 +12,7 @@ from eagle3_pipeline import logs, systemic
 from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
-from eagle3_pipeline.runtime.loading import load_tokenizer
+from eagle3_pipeline.runtime.target.loading import load_tokenizer
 from eagle3_pipeline.tokenization import character_bound, end_of_turn_marker, template_hash, tokenize_or_drop
 
 

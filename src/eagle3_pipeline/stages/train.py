@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import drafter_weights, jobs, metrics, reports
-from eagle3_pipeline.runtime.devices import describe, process_device
+from eagle3_pipeline.runtime.target.devices import describe, process_device
 from eagle3_pipeline.training import windows
 from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line, train
 from eagle3_pipeline.training.selection import summary

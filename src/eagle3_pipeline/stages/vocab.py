@@ -12,7 +12,7 @@ import numpy as np
 from eagle3_pipeline import logs, vocab
 from eagle3_pipeline.formats import draft_vocab, reports, token_shards
 from eagle3_pipeline.logs import ClearError
-from eagle3_pipeline.runtime.loading import load_config
+from eagle3_pipeline.runtime.target.loading import load_config
 
 
 @dataclass(frozen=True)

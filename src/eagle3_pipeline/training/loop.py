@@ -19,7 +19,7 @@ from eagle3_pipeline.drafter.objective import Teacher, TTTObjective, compiled_lo
 from eagle3_pipeline.families import final_logit_softcap
 from eagle3_pipeline.formats import draft_vocab, hidden_store, metrics, train_state, zarr_io
 from eagle3_pipeline.formats.target_dir import read_config, read_head
-from eagle3_pipeline.runtime.devices import process_device
+from eagle3_pipeline.runtime.target.devices import process_device
 from eagle3_pipeline.training.inputs import PassJob, TrainingData
 from eagle3_pipeline.training.resume import is_main_process, run_fingerprint, save_checkpoint, starting_point
 from eagle3_pipeline.training.selection import HeldoutSelection
@@ -42,7 +42,7 @@ def data_error_line(error: Exception) -> str:
 
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,
                   intermediate_size: int | None = None) -> Drafter:
-    from eagle3_pipeline.runtime.loading import load_config
+    from eagle3_pipeline.runtime.target.loading import load_config
 
     draft = draft_vocab.read(vocab_path)
     config = DrafterConfig.from_target(load_config(target_dir), len(draft.draft_ids), aux_layer_ids)

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 import transformers
 
-from eagle3_pipeline.runtime.backends import (
+from eagle3_pipeline.runtime.extraction import (
     BackendInfo,
     HiddenStates,
     check_aux_layer_ids,
     default_aux_layer_ids,
     finite_rows,
 )
-from eagle3_pipeline.runtime.devices import pick_device
+from eagle3_pipeline.runtime.target.devices import pick_device
 
 
 def pick_dtype(requested: str, device: str) -> torch.dtype:
@@ -49,7 +49,7 @@ class HFBackend:
     @classmethod
     def from_directory(cls, target_dir: Path, device: str = "auto", dtype: str = "auto",
                        aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False) -> HFBackend:
-        from eagle3_pipeline.runtime.loading import load_model
+        from eagle3_pipeline.runtime.target.loading import load_model
 
         device = pick_device(device)
         model = load_model(target_dir, device=device, dtype=pick_dtype(dtype, device),

@@ -67,14 +67,14 @@ def sglang_layer_ids(hf_ids: list[int]) -> list[int]:
 def from_config(settings: dict, target_dir, trust_remote_code: bool = False) -> Backend:
     """The backend `extract.backend` names, built from the `extract` config section."""
     if settings["backend"] == "hf":
-        from eagle3_pipeline.runtime.backends.hf import HFBackend
+        from eagle3_pipeline.runtime.extraction.hf import HFBackend
 
         return HFBackend.from_directory(target_dir, device=settings["device"], dtype=settings["dtype"],
                                         aux_layer_ids=settings.get("aux_layer_ids"),
                                         trust_remote_code=trust_remote_code)
     if settings["backend"] == "sglang":
-        from eagle3_pipeline.runtime.backends.sglang import SGLangBackend
-        from eagle3_pipeline.runtime.loading import load_config
+        from eagle3_pipeline.runtime.extraction.sglang import SGLangBackend
+        from eagle3_pipeline.runtime.target.loading import load_config
 
         config = load_config(target_dir, trust_remote_code)
         server = settings.get("sglang") or {}

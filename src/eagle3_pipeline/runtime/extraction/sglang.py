@@ -5,7 +5,7 @@ Contract (from SGLang's server arguments and its `/generate` API; see docs/desig
   `--enable-return-hidden-states --enable-return-aux-hidden-states --speculative-algorithm EAGLE3
    --return-aux-hidden-state-layer-ids <SGLang ids> --chunked-prefill-size -1 --disable-radix-cache`.
   SGLang numbers aux layers by decoder-block output (HF index - 1); the conversion lives in
-  `backends.sglang_layer_ids` and nowhere else.
+  `extraction.sglang_layer_ids` and nowhere else.
 - In that mode it does not return the final state, so a second server on the same weights, started with
   `--enable-return-hidden-states --chunked-prefill-size -1 --disable-radix-cache` (no aux flags), returns
   the final hidden state after the final norm (what the LM head reads).
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_pipeline.runtime.backends import BackendInfo, HiddenStates, check_aux_layer_ids, sglang_layer_ids
+from eagle3_pipeline.runtime.extraction import BackendInfo, HiddenStates, check_aux_layer_ids, sglang_layer_ids
 
 
 class SGLangError(RuntimeError):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     from pathlib import Path
 
-    from eagle3_pipeline.runtime.backends import default_aux_layer_ids
+    from eagle3_pipeline.runtime.extraction import default_aux_layer_ids
 
     parser = argparse.ArgumentParser(description="Print the SGLang launch commands for the sglang backend.")
     parser.add_argument("--model-path", required=True, help="HF directory or hub id the servers load")
