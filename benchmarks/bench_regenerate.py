@@ -51,7 +51,7 @@ def main() -> None:
     log = logging.getLogger("bench")
     chats = conversation_shards.read(args.conversations)[: args.count]
     turns = sum(m["role"] == "assistant" for c in chats for m in c["messages"])
-    settings = dataclasses.replace(regenerate.Settings.from_config(schema_defaults("regenerate"), max_seq_len=2048),
+    settings = dataclasses.replace(regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=2048),
                                    max_new_tokens=args.max_new, batch_size=args.batch, device=args.device)
     engine = regenerate.HFEngine(args.target, settings)
     tokenizer = engine.tokenizer

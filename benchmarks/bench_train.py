@@ -34,6 +34,7 @@ from eagle3_pipeline.drafter import objective
 from eagle3_pipeline.drafter.attention import flex_ttt_attention
 from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.settings import TrainSettings
 from eagle3_pipeline.workflow_config import schema_defaults
 
@@ -176,7 +177,7 @@ def main() -> None:
         paths = [
             TrainingPath("baseline", baseline, config,
                          baseline.train.TrainSettings(ttt_steps=args.ttt_steps, batch_tokens=batch_tokens), device),
-            TrainingPath("ours", None, config, TrainSettings.from_config(
+            TrainingPath("ours", None, config, from_section(TrainSettings,
                 schema_defaults("train") | {"ttt_steps": args.ttt_steps, "batch_tokens": batch_tokens,
                                             "max_seq_len": 2048}), device),
         ]

@@ -26,7 +26,7 @@ rule tokenize:
         directory(TOKEN_SHARD),
     params:
         data=config["data"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     conda:
         "../envs/pipeline.yaml"
     log:

@@ -10,7 +10,7 @@ rule parity:
     params:
         extract=config["extract"],
         parity=job_settings("parity"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["parity"]["threads"]
     resources:
         gpu=0 if config["parity"]["device"] == "cpu" else max(1, config["extract"]["gpus"]),  # the fp32 reference
@@ -32,7 +32,7 @@ rule extract:
         directory(HIDDEN_STORE),
     params:
         extract=config["extract"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["extract"]["threads"]
     resources:
         gpu=config["extract"]["gpus"],

@@ -10,7 +10,7 @@ rule regenerate:
     params:
         regenerate=job_settings("regenerate"),
         max_seq_len=config["data"]["max_seq_len"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["regenerate"]["threads"]
     resources:
         gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] == "hf" else 0,

@@ -8,10 +8,10 @@ rule target:
         directory(TARGET_DIR),
     params:
         source=config["target"]["source"],
-        gguf_file=config["target"].get("gguf_file"),
-        revision=config["target"].get("revision"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
-        chat_template=config["target"].get("chat_template"),
+        gguf_file=config["target"]["gguf_file"],
+        revision=config["target"]["revision"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        chat_template=config["target"]["chat_template"],
     conda:
         "../envs/pipeline.yaml"
     log:

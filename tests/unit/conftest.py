@@ -63,6 +63,7 @@ def trained_tiny_drafter(tmp_path):
     from eagle3_pipeline.runtime import drafting
     from eagle3_pipeline.runtime.decode import TargetRuntime
     from eagle3_pipeline.runtime.target.loading import load_model
+    from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.stages import export
     from eagle3_pipeline.training.loop import train
     from eagle3_pipeline.training.settings import TrainSettings
@@ -70,7 +71,7 @@ def trained_tiny_drafter(tmp_path):
 
     target_dir, store, vocab_path = tiny_target_with_store(tmp_path)
     model = train([store], target_dir, vocab_path, tmp_path / "state",
-                  TrainSettings.from_config(schema_defaults("train") | dict(
+                  from_section(TrainSettings, schema_defaults("train") | dict(
                       ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
                       checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
     export.export(model, tmp_path / "serving", dtype="float32")

@@ -21,6 +21,7 @@ from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.formats.metrics import read as read_metrics
 from eagle3_pipeline.runtime import drafting
 from eagle3_pipeline.runtime.target.loading import load_config
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import data_error_line
 from eagle3_pipeline.training.loop import train
@@ -144,12 +145,12 @@ def tiny_run(tmp_path_factory):
 
 
 def schedule_settings(seed: int) -> TrainSettings:
-    return TrainSettings.from_config(schema_defaults("train") | {"batch_tokens": 8192, "pad_multiple": 64,
+    return from_section(TrainSettings, schema_defaults("train") | {"batch_tokens": 8192, "pad_multiple": 64,
                                                                  "max_seq_len": 2048, "seed": seed})
 
 
 def settings(**overrides) -> TrainSettings:
-    return TrainSettings.from_config(schema_defaults("train") | {
+    return from_section(TrainSettings, schema_defaults("train") | {
         "ttt_steps": 3, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 6, "batch_tokens": 256, "max_seq_len": 64,
         "checkpoint_every": 3, "log_every": 1, "num_workers": 0, "device": "cpu"} | overrides)
 

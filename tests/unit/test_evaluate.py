@@ -12,6 +12,7 @@ from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
 from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import evaluate, evaluate_timing
 from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import smollm2_serving_dir
@@ -208,7 +209,7 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
     prompts = [Prompt("p1", [{"role": "user", "content": "Name three rivers in Europe."}]),
                Prompt("p2", [{"role": "user", "content": "Count from one to ten in words."}])]
-    settings = evaluate.Settings.from_config(schema_defaults("evaluate") | {
+    settings = from_section(evaluate.Settings, schema_defaults("evaluate") | {
         "device": "cpu", "dtype": "bfloat16", "max_new_tokens": 16, "draft_lengths": [3],
         "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}], "untrained_baseline": False, "workers": 1},
         trust_remote_code=False)
@@ -227,7 +228,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     serving = smollm2_serving_dir(target_dir, tmp_path / "serving")
     prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])],
                    "b": [Prompt("b1", [{"role": "user", "content": "List two colours."}])]}
-    settings = evaluate_timing.Settings.from_config(schema_defaults("evaluate") | {
+    settings = evaluate_timing.timing_settings(schema_defaults("evaluate") | {
         "device": "cpu", "dtype": "float32", "draft_lengths": [2, 3],
         "timing": {"prompts": 1, "max_new_tokens": 8, "device_loops": True, "trees": True},
         "tree": [{"num_steps": 2, "topk": 2, "num_draft_tokens": 4}]}, trust_remote_code=False)

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from eagle3_pipeline import assets, plan, plan_fixed, target_shape
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.runtime.target.loading import load_config
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import resume
 from eagle3_pipeline.workflow_config import schema_defaults
@@ -38,7 +39,7 @@ def test_drafter_estimates_match_a_real_checkpoint_weights_and_export(target_dir
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     checkpoint = tmp_path / "checkpoint.pt"
     resume.save_checkpoint(checkpoint, model, optimizer, scheduler, 1,
-                          train.TrainSettings.from_config(schema_defaults("train") | {"max_seq_len": 2048}))
+                          from_section(train.TrainSettings, schema_defaults("train") | {"max_seq_len": 2048}))
     weights = tmp_path / "drafter.safetensors"
     save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()}, str(weights),
               metadata={"drafter_config": json.dumps(model.config.as_dict())})

@@ -16,6 +16,7 @@ from eagle3_pipeline import assets, plan, plan_tokenizer, plan_tokens
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_raw_records, iter_records_in, read_input
 from eagle3_pipeline.runtime.target.loading import load_tokenizer
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import ingest, tokenize
 from eagle3_pipeline.tokenization import template_hash
 
@@ -54,8 +55,8 @@ def exact_tokens(inputs, target_dir, folder) -> tuple[list[int], list[int]]:
     """(conversations, tokens) per shard, written by the real ingest and tokenize stages."""
     log = logging.getLogger("test")
     shards = [folder / f"shard-{name}.jsonl" for name in SHARDS]
-    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "report.json", ingest.Settings.from_config(DATA), log)
-    settings = tokenize.Settings.from_config(DATA, trust_remote_code=False)
+    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "report.json", from_section(ingest.Settings, DATA), log)
+    settings = from_section(tokenize.Settings, DATA, trust_remote_code=False)
     written = [tokenize.run(path, target_dir, folder / f"{path.stem}.zarr", settings, log) for path in shards]
     return [w["conversations_in"] for w in written], [w["num_tokens"] for w in written]
 

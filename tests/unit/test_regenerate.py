@@ -40,7 +40,7 @@ CHATS = [
 
 
 def settings(**overrides) -> regenerate.Settings:
-    defaults = regenerate.Settings.from_config(schema_defaults("regenerate"), max_seq_len=512)
+    defaults = regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=512)
     return dataclasses.replace(defaults, **{"max_new_tokens": 10, "batch_size": 2, "device": "cpu",
                                             "dtype": "float32", **overrides})
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline import workflow_config
+from eagle3_pipeline.settings import from_section, setting
 from eagle3_pipeline.stages import (
     disk_report,
     evaluate,
@@ -43,18 +44,19 @@ def embedded_config() -> dict:
 def test_every_stage_builds_its_settings_from_the_embedded_config():
     config = embedded_config()
     built = [
-        ingest.Settings.from_config(config["data"]),
-        tokenize.Settings.from_config(config["data"], trust_remote_code=False),
-        vocab.Settings.from_config(config["vocab"]),
-        target.Settings.from_config(config["target"]),
-        parity.Settings.from_config(config["parity"], config["extract"], trust_remote_code=False),
-        extract.Settings.from_config(config["extract"], trust_remote_code=False),
-        regenerate.Settings.from_config(config["regenerate"], config["data"]["max_seq_len"]),
-        train.TrainSettings.from_config(config["train"]),
-        export.Settings.from_config(config["export"]),
-        evaluate.Settings.from_config(config["evaluate"], trust_remote_code=False),
-        evaluate_timing.Settings.from_config(config["evaluate"], trust_remote_code=False),
-        disk_report.Settings.from_config(config["plan"], config["extract"]),
+        from_section(ingest.Settings, config["data"]),
+        from_section(tokenize.Settings, config["data"], trust_remote_code=False),
+        from_section(vocab.Settings, config["vocab"]),
+        from_section(target.Settings, config["target"]),
+        from_section(parity.Settings, config["parity"], backend=config["extract"], trust_remote_code=False),
+        from_section(extract.Settings, config["extract"], backend=config["extract"], trust_remote_code=False),
+        regenerate.regenerate_settings(config["regenerate"], config["data"]["max_seq_len"]),
+        from_section(train.TrainSettings, config["train"]),
+        from_section(export.Settings, config["export"]),
+        from_section(evaluate.Settings, config["evaluate"], trust_remote_code=False),
+        evaluate_timing.timing_settings(config["evaluate"], trust_remote_code=False),
+        from_section(disk_report.Settings, {"compression": config["plan"]["expected_compression"],
+                                            "store_dtype": config["extract"]["store_dtype"]}),
     ]
     for settings in built:
         assert dataclasses.is_dataclass(settings)
@@ -68,12 +70,12 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
 def test_the_timing_pass_times_the_trees_unless_told_not_to():
     section = embedded_config()["evaluate"]
     assert section["tree"] and section["timing"]["trees"] is True
-    timed = evaluate_timing.Settings.from_config(section, trust_remote_code=False)
+    timed = evaluate_timing.timing_settings(section, trust_remote_code=False)
     assert len(timed.trees) == len(section["tree"])
     untimed = section | {"timing": section["timing"] | {"trees": False}}
-    assert evaluate_timing.Settings.from_config(untimed, trust_remote_code=False).trees == ()
+    assert evaluate_timing.timing_settings(untimed, trust_remote_code=False).trees == ()
     # the tau pass keeps them
-    assert evaluate.Settings.from_config(untimed, trust_remote_code=False).trees == timed.trees
+    assert from_section(evaluate.Settings, untimed, trust_remote_code=False).trees == timed.trees
 
 
 def test_stage_settings_have_no_defaults_of_their_own():
@@ -89,7 +91,7 @@ def test_stage_settings_have_no_defaults_of_their_own():
 def test_train_settings_refuse_a_key_instead_of_dropping_it():
     section = embedded_config()["train"] | {"learning_rte": 1.0e-3}
     with pytest.raises(ValueError, match="learning_rte"):
-        train.TrainSettings.from_config(section)
+        from_section(train.TrainSettings, section)
 
 
 @pytest.mark.parametrize(("train_len", "effective"), [(None, 512), (256, 256)])
@@ -128,3 +130,30 @@ def test_every_rule_script_is_a_short_adapter():
     for script in (ROOT / "scripts").glob("*.py"):
         code = [line for line in script.read_text().splitlines() if line.strip()]
         assert len(code) <= 5 and f"stages import {script.stem}" in "\n".join(code), script.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    name: str
+    url: str | None = setting(key="server.url")
+    sizes: tuple[int, ...] | None = setting(convert=tuple)
+    trust_remote_code: bool
+
+
+def test_from_section_reads_names_dotted_keys_and_conversions_and_takes_the_rest_as_given():
+    built = from_section(Example, {"name": "a", "server": {"url": "http://x"}, "sizes": [1, 2], "other": 1},
+                         trust_remote_code=True)
+    assert built == Example(name="a", url="http://x", sizes=(1, 2), trust_remote_code=True)
+    assert from_section(Example, {"name": "a", "server": {"url": None}, "sizes": None},
+                        trust_remote_code=False).sizes is None  # null stays null: no conversion
+
+
+def test_from_section_names_a_missing_key_an_unknown_one_and_a_stray_given():
+    with pytest.raises(KeyError, match=r"Example: the config section has no key 'server.url'"):
+        from_section(Example, {"name": "a", "server": {}, "sizes": []}, trust_remote_code=False)
+    with pytest.raises(ValueError, match=r"unknown config keys \['nme'\]"):
+        from_section(Example, {"name": "a", "nme": "b", "server": {"url": None}, "sizes": []},
+                     unread={"other"}, trust_remote_code=False)
+    with pytest.raises(TypeError, match=r"no fields \['colour'\]"):
+        from_section(Example, {"name": "a", "server": {"url": None}, "sizes": []}, trust_remote_code=False,
+                     colour="red")

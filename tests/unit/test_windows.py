@@ -9,6 +9,7 @@ import torch
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import plan_windows
 from eagle3_pipeline.formats import train_state
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.inputs import PassJob
 from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.settings import TrainSettings
@@ -88,7 +89,7 @@ def tiny_run(tmp_path_factory):
 
 
 def settings(**overrides) -> TrainSettings:
-    return TrainSettings.from_config(schema_defaults("train") | {
+    return from_section(TrainSettings, schema_defaults("train") | {
         "ttt_steps": 2, "learning_rate": 3e-3, "warmup_steps": 2, "epochs": 2, "batch_tokens": 256, "max_seq_len": 64,
         "checkpoint_every": 2, "log_every": 1, "num_workers": 0, "device": "cpu"} | overrides)
 

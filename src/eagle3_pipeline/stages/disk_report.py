@@ -9,22 +9,14 @@ from typing import Any
 
 from eagle3_pipeline import logs, plan
 from eagle3_pipeline.formats import reports, token_shards, zarr_io
+from eagle3_pipeline.settings import from_section, setting
 
 
 @dataclass(frozen=True)
 class Settings:
-    expected_compression: float | None  # what the plan assumed: raw bytes / stored bytes (None: the codec's)
+    # what the plan assumed: raw bytes / stored bytes (None: the codec's)
+    expected_compression: float | None = setting(key="compression")
     store_dtype: str
-
-    @classmethod
-    def from_config(cls, plan_section: dict[str, Any], extract_section: dict[str, Any]) -> Settings:
-        return cls(expected_compression=plan_section["expected_compression"],
-                   store_dtype=extract_section["store_dtype"])
-
-    @classmethod
-    def from_params(cls, params: Any) -> Settings:
-        """From the rule's params (only what the report depends on: a change reruns it)."""
-        return cls(expected_compression=params.compression, store_dtype=params.store_dtype)
 
 
 def shard_row(store: Path, tokens: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
@@ -84,8 +76,9 @@ def run_windowed(pass_records: list[Path], token_shard_paths: list[Path], output
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
+    settings = from_section(Settings, dict(snakemake.params.items()))
     if hasattr(snakemake.input, "passes"):  # trained in windows under a disk budget
         return run_windowed([Path(p) for p in snakemake.input.passes], [Path(p) for p in snakemake.input.tokens],
-                            Path(snakemake.output[0]), Settings.from_params(snakemake.params), log)
+                            Path(snakemake.output[0]), settings, log)
     run([Path(p) for p in snakemake.input.stores], [Path(p) for p in snakemake.input.tokens],
-        Path(snakemake.output[0]), Settings.from_params(snakemake.params), log)
+        Path(snakemake.output[0]), settings, log)

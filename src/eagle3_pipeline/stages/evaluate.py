@@ -28,6 +28,7 @@ from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.speculative import Trace, decode_all, summarise_methods
 from eagle3_pipeline.runtime.target.devices import pick_device
 from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
+from eagle3_pipeline.settings import from_section, setting
 
 
 @dataclass(frozen=True)
@@ -35,22 +36,14 @@ class Settings:
     max_prompts: int | None
     multi_turn: bool
     max_new_tokens: int
-    draft_lengths: tuple[int, ...]
+    draft_lengths: tuple[int, ...] = setting(convert=tuple)
     device: str
     dtype: str
     untrained_baseline: bool
     workers: int
     compile: str | bool
     trust_remote_code: bool
-    trees: tuple[TreeSetting, ...]
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
-        return cls(max_prompts=section["max_prompts"], multi_turn=section["multi_turn"],
-                   max_new_tokens=section["max_new_tokens"], draft_lengths=tuple(section["draft_lengths"]),
-                   device=section["device"], dtype=section["dtype"], untrained_baseline=section["untrained_baseline"],
-                   workers=section["workers"], compile=section["compile"], trust_remote_code=trust_remote_code,
-                   trees=parse_settings(section["tree"]))
+    trees: tuple[TreeSetting, ...] = setting(key="tree", convert=parse_settings)
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> Settings:
@@ -222,7 +215,7 @@ def run(target_dir: Path, serving_dir: Path, prompt_file: Path, output: Path, se
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
-    settings = Settings.from_config(snakemake.params.settings, snakemake.params.trust_remote_code)
+    settings = from_section(Settings, snakemake.params.settings, trust_remote_code=snakemake.params.trust_remote_code)
     run(Path(snakemake.input.target), Path(snakemake.input.serving), Path(snakemake.input.prompts),
         Path(snakemake.output[0]), settings, snakemake.log[0], log)
 

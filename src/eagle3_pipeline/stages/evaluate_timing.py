@@ -24,31 +24,28 @@ from eagle3_pipeline.runtime.speculative import (
 )
 from eagle3_pipeline.runtime.target.devices import describe, pick_device
 from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
+from eagle3_pipeline.settings import from_section, setting
 
 
 @dataclass(frozen=True)
 class Settings:
-    prompts: int  # timed per prompt set (the first ones)
-    max_new_tokens: int
+    prompts: int = setting(key="timing.prompts")  # timed per prompt set (the first ones)
+    max_new_tokens: int = setting(key="timing.max_new_tokens")
     multi_turn: bool
-    draft_lengths: tuple[int, ...]
+    draft_lengths: tuple[int, ...] = setting(convert=tuple)
     device: str
     dtype: str
     compile: str | bool
     trust_remote_code: bool
     trees: tuple[TreeSetting, ...]  # none where evaluate.timing.trees is false
-    device_loops: bool  # compiled: greedy and the chain decode with their loop state on the device
+    # compiled: greedy and the chain decode with their loop state on the device
+    device_loops: bool = setting(key="timing.device_loops")
 
-    @classmethod
-    def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
-        timing = section["timing"]
-        return cls(prompts=timing["prompts"], max_new_tokens=timing["max_new_tokens"],
-                   multi_turn=section["multi_turn"], draft_lengths=tuple(section["draft_lengths"]),
-                   device=section["device"], dtype=section["dtype"], compile=section["compile"],
-                   trust_remote_code=trust_remote_code,
-                   trees=parse_settings(section["tree"]) if timing["trees"] else (),
-                   device_loops=timing["device_loops"])
 
+def timing_settings(section: dict[str, Any], trust_remote_code: bool) -> Settings:
+    """The `evaluate` section as the timing pass reads it: the trees are timed unless evaluate.timing.trees is off."""
+    trees = parse_settings(section["tree"]) if section["timing"]["trees"] else ()
+    return from_section(Settings, section, trees=trees, trust_remote_code=trust_remote_code)
 
 def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
                 ks: list[int], max_new: int, strict: bool, log: Any, trees: tuple[TreeSetting, ...] = ()
@@ -147,4 +144,4 @@ def run_from_snakemake(snakemake: Any) -> None:
     prompt_files = {name: Path(path) for name, path in
                     zip(snakemake.params.prompt_sets, snakemake.input.prompts, strict=True)}
     run(Path(snakemake.input.target), Path(snakemake.input.serving), prompt_files, Path(snakemake.output[0]),
-        Settings.from_config(snakemake.params.settings, snakemake.params.trust_remote_code), log)
+        timing_settings(snakemake.params.settings, snakemake.params.trust_remote_code), log)

@@ -14,15 +14,12 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats import drafter_weights, serving_dir
 from eagle3_pipeline.formats.serving_dir import DRAFTER_CONFIG_KEY
 from eagle3_pipeline.runtime.extraction import sglang_layer_ids
+from eagle3_pipeline.settings import from_section
 
 
 @dataclass(frozen=True)
 class Settings:
     dtype: str  # of the served weights: bfloat16, float16 or float32
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> Settings:
-        return cls(dtype=section["dtype"])
 
 
 def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
@@ -79,4 +76,5 @@ def run(weights: Path, output: Path, settings: Settings, log: logging.Logger) ->
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
-    run(Path(snakemake.input.weights), Path(snakemake.output[0]), Settings(dtype=snakemake.params.dtype), log)
+    settings = from_section(Settings, dict(snakemake.params.items()))
+    run(Path(snakemake.input.weights), Path(snakemake.output[0]), settings, log)

@@ -20,6 +20,7 @@ from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime import extraction
 from eagle3_pipeline.runtime.extraction import Backend, finite_rows
+from eagle3_pipeline.settings import from_section, setting
 
 
 class NonFiniteActivations(ValueError):
@@ -30,16 +31,11 @@ class NonFiniteActivations(ValueError):
 class Settings:
     token_budget: int  # padded tokens per forward batch
     writer_threads: int
-    store_shard_bytes: int  # raw bytes per zarr shard file (the unit of writing and of resume)
+    # raw bytes per zarr shard file (the unit of writing and of resume)
+    store_shard_bytes: int = setting(key="store_shard_mb", convert=lambda mib: mib << 20)
     backend: dict[str, Any]  # the `extract` section as runtime.extraction.from_config reads it
     trust_remote_code: bool
     store_dtype: str  # how the store keeps the states (formats/hidden_store/rows.py)
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any], trust_remote_code: bool) -> Settings:
-        return cls(token_budget=section["token_budget"], writer_threads=section["writer_threads"],
-                   store_shard_bytes=section["store_shard_mb"] << 20, backend=dict(section),
-                   trust_remote_code=trust_remote_code, store_dtype=section["store_dtype"])
 
 
 @dataclass
@@ -167,5 +163,6 @@ def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log: l
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
-    settings = Settings.from_config(snakemake.params.extract, snakemake.params.trust_remote_code)
+    settings = from_section(Settings, snakemake.params.extract, backend=dict(snakemake.params.extract),
+                            trust_remote_code=snakemake.params.trust_remote_code)
     run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

@@ -9,6 +9,7 @@ from typing import Any
 
 from eagle3_pipeline import conversations, logs
 from eagle3_pipeline.formats import conversation_shards, reports
+from eagle3_pipeline.settings import from_section, setting
 
 
 @dataclass(frozen=True)
@@ -17,14 +18,7 @@ class Settings:
     eval_conversations: int
     train_conversations: int | None
     seed: int
-    weights: tuple[float, ...] | None  # one per input; None: every input once
-
-    @classmethod
-    def from_config(cls, data: dict[str, Any]) -> Settings:
-        weights = data["weights"]
-        return cls(num_shards=data["num_shards"], eval_conversations=data["eval_conversations"],
-                   train_conversations=data["train_conversations"], seed=data["seed"],
-                   weights=tuple(weights) if weights else None)
+    weights: tuple[float, ...] | None = setting(convert=tuple)  # one per input; None: every input once
 
 
 def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, report_output: Path,
@@ -52,4 +46,4 @@ def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, report
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     run([Path(p) for p in snakemake.input], [Path(p) for p in snakemake.output.shards],
-        Path(snakemake.output.eval), Path(snakemake.output.report), Settings.from_config(snakemake.params.data), log)
+        Path(snakemake.output.eval), Path(snakemake.output.report), from_section(Settings, snakemake.params.data), log)

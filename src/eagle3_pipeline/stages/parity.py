@@ -25,6 +25,7 @@ from eagle3_pipeline.runtime import extraction
 from eagle3_pipeline.runtime.extraction import Backend
 from eagle3_pipeline.runtime.target.devices import pick_device
 from eagle3_pipeline.runtime.target.loading import load_model
+from eagle3_pipeline.settings import from_section
 
 COSINE_THRESHOLD = 0.99
 ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower
@@ -41,11 +42,6 @@ class Settings:
     device: str  # where the fp32 reference runs
     backend: dict[str, Any]  # the `extract` section: the backend under test, as runtime.extraction.from_config reads it
     trust_remote_code: bool
-
-    @classmethod
-    def from_config(cls, parity: dict[str, Any], extract: dict[str, Any], trust_remote_code: bool) -> Settings:
-        return cls(sequences=parity["sequences"], max_tokens=parity["max_tokens"], device=parity["device"],
-                   backend=dict(extract), trust_remote_code=trust_remote_code)
 
 
 @dataclass
@@ -186,6 +182,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
     params = snakemake.params
-    settings = Settings.from_config(params.parity, params.extract, params.trust_remote_code)
+    settings = from_section(Settings, params.parity, backend=dict(params.extract),
+                            trust_remote_code=params.trust_remote_code)
     run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings,
         snakemake.log[0], log)

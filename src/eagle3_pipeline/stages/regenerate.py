@@ -38,6 +38,7 @@ from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' er
 )
 from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.runtime.generation.server import OpenAIEngine
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 
 
@@ -258,11 +259,17 @@ def run(conversation_file: Path, target_dir: Path, output: Path, settings: Setti
     return run_shard(conversation_file, output, target_dir, settings, log)
 
 
+def regenerate_settings(section: dict[str, Any], max_seq_len: int, trust_remote_code: bool = False) -> Settings:
+    """The `regenerate` section as the engines read it; max_context_tokens null means data.max_seq_len."""
+    return from_section(Settings, section, trust_remote_code=trust_remote_code,
+                        max_context_tokens=section["max_context_tokens"] or max_seq_len)
+
+
 def run_from_snakemake(snakemake: Any) -> None:
     import torch
 
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
     params = snakemake.params
-    settings = Settings.from_config(params.regenerate, params.max_seq_len, params.trust_remote_code)
+    settings = regenerate_settings(params.regenerate, params.max_seq_len, params.trust_remote_code)
     run(Path(snakemake.input.conversations), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

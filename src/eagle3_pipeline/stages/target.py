@@ -21,6 +21,7 @@ from eagle3_pipeline.families import target_support_problem
 from eagle3_pipeline.formats import target_dir
 from eagle3_pipeline.formats.atomic import atomic_dir
 from eagle3_pipeline.formats.target_dir import CHAT_TEMPLATE_FILE, COPIED_FILES, IDENTITY_FILE
+from eagle3_pipeline.settings import from_section
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,6 @@ class Settings:
     trust_remote_code: bool
     chat_template: str | None  # a Jinja file or a built-in name, for a tokenizer without a template
 
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> Settings:
-        return cls(source=section["source"], gguf_file=section["gguf_file"], revision=section["revision"],
-                   trust_remote_code=section["trust_remote_code"], chat_template=section["chat_template"])
-
 
 def run(output: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
     """The target directory; SystemExit with the reason when no served drafter can be trained for it."""
@@ -147,6 +143,5 @@ def run(output: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     params = snakemake.params
-    settings = Settings(source=params.source, gguf_file=params.gguf_file, revision=params.revision,
-                        trust_remote_code=params.trust_remote_code, chat_template=params.chat_template)
+    settings = from_section(Settings, dict(params.items()))
     run(Path(snakemake.output[0]), settings, log)

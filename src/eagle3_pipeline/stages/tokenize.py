@@ -13,6 +13,7 @@ from eagle3_pipeline.formats import conversation_shards, token_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.target.loading import load_tokenizer
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.tokenization import character_bound, end_of_turn_marker, template_hash, tokenize_or_drop
 
 
@@ -22,11 +23,6 @@ class Settings:
     overlength: str  # "truncate" or "drop"
     end_of_turn: str | None  # None: the tokenizer's EOS token
     trust_remote_code: bool
-
-    @classmethod
-    def from_config(cls, data: dict[str, Any], trust_remote_code: bool) -> Settings:
-        return cls(max_seq_len=data["max_seq_len"], overlength=data["overlength"], end_of_turn=data["end_of_turn"],
-                   trust_remote_code=trust_remote_code)
 
 
 TOKENIZE_FIXES = {
@@ -99,5 +95,5 @@ def run(conversations_path: Path, target_dir: Path, output: Path, settings: Sett
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
-    settings = Settings.from_config(snakemake.params.data, snakemake.params.trust_remote_code)
+    settings = from_section(Settings, snakemake.params.data, trust_remote_code=snakemake.params.trust_remote_code)
     run(Path(snakemake.input.conversations), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

@@ -13,19 +13,12 @@ from eagle3_pipeline import logs, vocab
 from eagle3_pipeline.formats import draft_vocab, reports, token_shards
 from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime.target.loading import load_config
+from eagle3_pipeline.settings import from_section
 
 
 @dataclass(frozen=True)
 class Settings:
     draft_vocab_size: int  # at most the target's vocabulary
-
-    @classmethod
-    def from_config(cls, vocab_section: dict[str, Any]) -> Settings:
-        return cls(draft_vocab_size=vocab_section["draft_vocab_size"])
-
-    @classmethod
-    def from_params(cls, params: Any) -> Settings:
-        return cls(draft_vocab_size=params.draft_vocab_size)
 
 
 def build_vocab(shard_paths: list[Path], target_dir: Path, draft_vocab_size: int, output: Path,
@@ -63,5 +56,6 @@ def run(shard_paths: list[Path], target_dir: Path, ingest_report: Path, vocab_ou
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
+    settings = from_section(Settings, dict(snakemake.params.items()))
     run([Path(p) for p in snakemake.input.shards], Path(snakemake.input.target), Path(snakemake.input.ingest_report),
-        Path(snakemake.output.vocab), Path(snakemake.output.stats), Settings.from_params(snakemake.params), log)
+        Path(snakemake.output.vocab), Path(snakemake.output.stats), settings, log)

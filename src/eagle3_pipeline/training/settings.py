@@ -3,8 +3,8 @@ the validated config (its defaults are config/schema.yaml's, nowhere else)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,6 @@ class TrainSettings:
     pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
     drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
 
-    # keys of the section that are not the training process's: the rule's resources and inputs use them
+    # keys of the section that are not the training process's (the rule's resources and inputs use them): built
+    # with from_section(TrainSettings, section, unread=TrainSettings.NOT_SETTINGS), any other key is refused
     NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> TrainSettings:
-        """From the validated section; a key neither a setting nor in NOT_SETTINGS is an error, not dropped."""
-        unknown = set(section) - {f.name for f in fields(cls)} - cls.NOT_SETTINGS
-        if unknown:
-            raise ValueError(f"train settings: unknown keys {sorted(unknown)}")
-        return cls(**{f.name: section[f.name] for f in fields(cls)})

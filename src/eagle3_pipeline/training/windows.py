@@ -18,6 +18,7 @@ import numpy as np
 from eagle3_pipeline.drafter.batches import BatchSchedule, Segment
 from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, token_shards, train_state
 from eagle3_pipeline.plan_windows import extraction_groups
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.inputs import PassJob, TrainingData
 from eagle3_pipeline.training.loop import aux_layers_of, build_drafter, loop, set_up
 from eagle3_pipeline.training.resume import windowed_fingerprint
@@ -29,7 +30,7 @@ log = logging.getLogger("eagle3_pipeline.stages.train")
 
 def train_settings(section: dict[str, Any]) -> TrainSettings:
     """The `train` section as training settings, for the train_pass job."""
-    return TrainSettings.from_config(section)
+    return from_section(TrainSettings, section)
 
 
 @dataclass(frozen=True)

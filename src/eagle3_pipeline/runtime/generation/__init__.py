@@ -8,10 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from eagle3_pipeline.settings import setting
+
 
 @dataclass(frozen=True)
 class Settings:
-    """The `regenerate` config section, flattened (no defaults here: they are config/schema.yaml's)."""
+    """The `regenerate` config section, flattened (no defaults here: they are config/schema.yaml's);
+    max_context_tokens null in the config means data.max_seq_len (the stage passes it)."""
     engine: str
     max_new_tokens: int
     temperature: float
@@ -22,30 +25,16 @@ class Settings:
     seed: int
     device: str
     dtype: str
-    url: str | None
-    model: str | None
-    api_key_env: str | None
-    concurrency: int
-    timeout_s: float
-    max_retries: int
-    backoff_s: float
-    repetition_threshold: float
-    drop_repetitive: bool
+    url: str | None = setting(key="server.url")
+    model: str | None = setting(key="server.model")
+    api_key_env: str | None = setting(key="server.api_key_env")
+    concurrency: int = setting(key="server.concurrency")
+    timeout_s: float = setting(key="server.timeout_s")
+    max_retries: int = setting(key="server.max_retries")
+    backoff_s: float = setting(key="server.backoff_s")
+    repetition_threshold: float = setting(key="repetition.threshold")
+    drop_repetitive: bool = setting(key="repetition.drop")
     trust_remote_code: bool
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any], max_seq_len: int, trust_remote_code: bool = False) -> Settings:
-        """From the validated section; max_context_tokens null means data.max_seq_len."""
-        server, repetition = section["server"], section["repetition"]
-        return cls(engine=section["engine"], max_new_tokens=section["max_new_tokens"],
-                   temperature=section["temperature"], top_p=section["top_p"], thinking=section["thinking"],
-                   max_context_tokens=section["max_context_tokens"] or max_seq_len,
-                   batch_size=section["batch_size"], seed=section["seed"], device=section["device"],
-                   dtype=section["dtype"], url=server["url"], model=server["model"],
-                   api_key_env=server["api_key_env"], concurrency=server["concurrency"],
-                   timeout_s=server["timeout_s"], max_retries=server["max_retries"], backoff_s=server["backoff_s"],
-                   repetition_threshold=repetition["threshold"], drop_repetitive=repetition["drop"],
-                   trust_remote_code=trust_remote_code)
 
     def output_defining(self) -> dict[str, Any]:
         """The settings that change what is generated (not how fast): they decide whether to resume."""
