@@ -7,6 +7,7 @@ from eagle3_pipeline import plan_fixed, plan_tokens, target_shape
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline import workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
+from eagle3_pipeline.layout import RunLayout
 
 
 def is_dry_run():
@@ -15,32 +16,32 @@ def is_dry_run():
     return bool(getattr(settings, "dryrun", False))
 
 
-RESULTS = f"{config['results_dir']}/{config['run']}"
-LOGS = f"logs/{config['run']}"
+LAYOUT = RunLayout.of(config)  # every path of the run, in one place: src/eagle3_pipeline/layout.py
+RESULTS, LOGS = LAYOUT.root, LAYOUT.logs
 SHARDS = [f"{i:05d}" for i in range(config["data"]["num_shards"])]
 HELDOUT = "heldout"  # the held-out conversations as one more token shard and hidden store (offline estimate)
 
-TARGET_DIR = f"{RESULTS}/target"
-CONVERSATION_SHARD = f"{RESULTS}/conversations/shard-{{shard}}.jsonl"
-EVAL_CONVERSATIONS = f"{RESULTS}/conversations/eval.jsonl"
-INGEST_REPORT = f"{RESULTS}/conversations/ingest_report.json"
-REGENERATED_SHARD = f"{RESULTS}/regenerated/shard-{{shard}}.jsonl"
+TARGET_DIR = LAYOUT.target_dir
+CONVERSATION_SHARD = LAYOUT.conversation_shard
+EVAL_CONVERSATIONS = LAYOUT.eval_conversations
+INGEST_REPORT = LAYOUT.ingest_report
+REGENERATED_SHARD = LAYOUT.regenerated_shard
 # What tokenize reads: the target's own replies when regeneration is on, the ingested ones otherwise.
 TRAINING_CONVERSATIONS = REGENERATED_SHARD if config["regenerate"]["enabled"] else CONVERSATION_SHARD
-TOKEN_SHARD = f"{RESULTS}/tokens/shard-{{shard}}.zarr"
-DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.safetensors"
-VOCAB_STATS = f"{RESULTS}/vocab/data_stats.json"
-HIDDEN_STORE = f"{RESULTS}/hidden/shard-{{shard}}.zarr"
-PARITY_REPORT = f"{RESULTS}/parity/{config['extract']['backend']}.json"
-DISK_REPORT = f"{RESULTS}/reports/disk_plan_vs_actual.json"
-TRAIN_STATE = f"{RESULTS}/train_state"  # checkpoints live outside Snakemake's outputs: a killed job resumes
-DRAFTER_WEIGHTS = f"{RESULTS}/train/drafter.safetensors"
-TRAIN_SUMMARY = f"{RESULTS}/train/summary.json"
-TRAIN_METRICS = f"{RESULTS}/train/metrics.csv"
-CONFIG_SNAPSHOT = f"{RESULTS}/train/config_snapshot.yaml"
-SERVING_DIR = f"{RESULTS}/serving/drafter"
-EVAL_RESULTS = f"{RESULTS}/evaluation/{{prompt_set}}.json"
-PLOTS = f"{RESULTS}/report"
+TOKEN_SHARD = LAYOUT.token_shard
+DRAFT_VOCAB = LAYOUT.draft_vocab
+VOCAB_STATS = LAYOUT.vocab_stats
+HIDDEN_STORE = LAYOUT.hidden_store
+PARITY_REPORT = LAYOUT.parity_report(config["extract"]["backend"])
+DISK_REPORT = LAYOUT.disk_report
+TRAIN_STATE = LAYOUT.train_state
+DRAFTER_WEIGHTS = LAYOUT.drafter_weights
+TRAIN_SUMMARY = LAYOUT.train_summary
+TRAIN_METRICS = LAYOUT.train_metrics
+CONFIG_SNAPSHOT = LAYOUT.config_snapshot
+SERVING_DIR = LAYOUT.serving_dir
+EVAL_RESULTS = LAYOUT.eval_results
+PLOTS = LAYOUT.report_dir
 
 try:
     SETTINGS = workflow_config.check(config, dry_run=is_dry_run(),
@@ -96,8 +97,8 @@ def token_sampler():
         [[Path(TRAINING_CONVERSATIONS.format(shard=s)), Path(CONVERSATION_SHARD.format(shard=s))] for s in SHARDS],
         [Path(p) for p in SETTINGS.data_inputs],
         config["data"],
-        TokenizerSource(Path(TARGET_DIR), SETTINGS.target_source, target.get("gguf_file"), target.get("revision"),
-                        target.get("trust_remote_code", False), target.get("chat_template")),
+        TokenizerSource(Path(TARGET_DIR), SETTINGS.target_source, target["gguf_file"], target["revision"],
+                        target["trust_remote_code"], target["chat_template"]),
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
     )
@@ -106,9 +107,9 @@ def token_sampler():
 @cache
 def current_plan():
     target = config["target"]
-    where = (SETTINGS.target_source, target.get("gguf_file"), target.get("revision"))
+    where = (SETTINGS.target_source, target["gguf_file"], target["revision"])
     dims = target_shape.target_dims(TARGET_DIR, *where)
-    hidden_size, warnings = plan_fixed.planned_hidden_size(dims, config["plan"].get("target_hidden_size"),
+    hidden_size, warnings = plan_fixed.planned_hidden_size(dims, config["plan"]["target_hidden_size"],
                                                           target["source"])
     prompt_sets = {prompt_set_name(e): None if e in ("held-out", "mtbench-package") else e
                    for e in config["evaluate"]["prompts"]}

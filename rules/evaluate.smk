@@ -4,7 +4,7 @@
 
 import types
 
-TIMING_RESULTS = f"{RESULTS}/timing/timing.json"
+TIMING_RESULTS = LAYOUT.timing_results
 
 
 rule evaluate:
@@ -21,7 +21,7 @@ rule evaluate:
         ),
     params:
         settings=job_settings("evaluate"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,
@@ -49,7 +49,7 @@ rule evaluate_timing:
     params:
         settings=job_settings("evaluate"),
         prompt_sets=PROMPT_SETS,
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"] != "cpu" else 0,

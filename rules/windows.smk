@@ -3,17 +3,17 @@
 # deletes them after the group's last pass, and a window is extracted only after the pass before it finished.
 from eagle3_pipeline import plan_windows
 
-WINDOW_STORE = f"{RESULTS}/hidden_windows/x{{group}}/shard-{{shard}}.zarr"
-WINDOWS_DIR = f"{RESULTS}/hidden_windows"
-PASS_CHECKPOINT = f"{TRAIN_STATE}/passes/pass-{{index}}.pt"  # consumed by the next pass: at most two exist
-PASS_RECORD = f"{RESULTS}/reports/windows/pass-{{index}}.json"  # its stores' sizes, the bytes on disk at its start
+WINDOW_STORE = LAYOUT.window_store
+WINDOWS_DIR = LAYOUT.windows_dir
+PASS_CHECKPOINT = LAYOUT.pass_checkpoint  # consumed by the next pass: at most two exist
+PASS_RECORD = LAYOUT.pass_record  # its stores' sizes, the bytes on disk at its start
 EXTRACT_SETTINGS = {key: value for key, value in job_settings("extract").items()
                     if key not in ("writer_threads", "store_shard_mb", "gpus")}  # what the stores' values follow
 
 
 def window_plan():
     """The budget's window plan, or None without a budget; a budget no window fits is a config error."""
-    budget = config["plan"].get("disk_budget_gb")
+    budget = config["plan"]["disk_budget_gb"]
     if budget is None:
         return None
     hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
@@ -102,7 +102,7 @@ if WINDOWED:
             temp(directory(WINDOW_STORE)),
         params:
             extract=config["extract"],
-            trust_remote_code=config["target"].get("trust_remote_code", False),
+            trust_remote_code=config["target"]["trust_remote_code"],
         threads: config["extract"]["threads"]
         resources:
             gpu=config["extract"]["gpus"],

@@ -5,6 +5,7 @@ stages/ (no stage importing another: test_stage_settings)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "eagle3_pipeline"
@@ -100,3 +101,15 @@ def test_no_import_cycles():
 
     cycles = {" -> ".join(cycle) for module in graph if (cycle := reaches(module, module))}
     assert not cycles, "\n".join(sorted(cycles))
+
+
+def test_the_runs_paths_are_built_only_in_layout_py():
+    """results/<run>/... is spelt once (src/eagle3_pipeline/layout.py): no rule or module joins a path onto the
+    run's directory itself."""
+    root = PACKAGE.parents[1]
+    joins = re.compile(r"""f["'][^"']*\{(RESULTS|TRAIN_STATE|WINDOWS_DIR)\}/|\[["']run["']\]\}/""")
+    sources = [*root.glob("rules/*.smk"), root / "Snakefile", *(p for p in modules() if p.name != "layout.py")]
+    offenders = [f"{path.relative_to(root)}:{number}" for path in sources
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if joins.search(line)]
+    assert not offenders, offenders
+    assert joins.search('x = f"{RESULTS}/tokens"') and joins.search("f\"{config['run']}/x\"")

@@ -22,7 +22,6 @@ from typing import Any
 
 from eagle3_pipeline.formats.atomic import atomic_write
 
-TIMING_FILE = "timing/timing.json"  # under results/<run>/, written by the `evaluate_timing` rule
 TAU_COLUMNS = ("prompt_set", "method", "tau (tau pass)", "diverged_share (tau pass)", "prompts (tau pass)",
                "tokens_per_s (timing pass)", "speedup_vs_target (timing pass)", "draft_ms_per_step (timing pass)",
                "verify_ms_per_step (timing pass)", "prompts (timing pass)", "loop (timing pass)", "sglang_flags")

@@ -19,12 +19,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from eagle3_pipeline import logs  # noqa: E402
 from eagle3_pipeline.formats import metrics, reports  # noqa: E402
 from eagle3_pipeline.formats.evaluation import (  # noqa: E402
-    TIMING_FILE,
     read_evaluations,
     read_results,
     write_tau_table,
 )
 from eagle3_pipeline.formats.target_dir import read_identity  # noqa: E402
+from eagle3_pipeline.layout import RunLayout  # noqa: E402
 from eagle3_pipeline.reporting.front_page import RunFacts, front_page  # noqa: E402
 from eagle3_pipeline.reporting.terminal import headline_table  # noqa: E402
 
@@ -146,7 +146,7 @@ def provenance(config: dict[str, Any], training_snapshot: Path, target_dir: Path
 def run_facts(config: dict[str, Any], train_summary: dict[str, Any], data_stats: dict[str, Any],
               timing: dict[str, Any], evaluations: dict[str, dict[str, Any]]) -> RunFacts:
     """The front page's line on the run, from the run's own records (the config for its names)."""
-    results = f"{config['results_dir']}/{config['run']}"
+    layout = RunLayout.of(config)
     tau_pass = next(iter(evaluations.values()), {})
     eval_device = timing.get("device_name") or timing.get("device") or tau_pass.get("device", "?")
     return RunFacts(run=config["run"], target=str(config["target"]["source"]),
@@ -155,7 +155,7 @@ def run_facts(config: dict[str, Any], train_summary: dict[str, Any], data_stats:
                     steps=train_summary["steps"], train_seconds=train_summary.get("train_seconds"),
                     train_device=train_summary.get("device"),
                     eval_device=f"{eval_device}, {config['evaluate']['dtype']}",
-                    target_dir=f"{results}/target", drafter_dir=f"{results}/serving/drafter")
+                    target_dir=layout.target_dir, drafter_dir=layout.serving_dir)
 
 
 def run(inputs: Inputs, outputs: Outputs, settings: Settings) -> None:
@@ -194,7 +194,7 @@ def run_directory(configs: list[Path]) -> Path:
     config: dict[str, Any] = {}
     for path in configs:
         config |= yaml.safe_load(Path(path).read_text())
-    return Path(config.get("results_dir") or schema_top_level_default("results_dir")) / config["run"]
+    return Path(RunLayout(config.get("results_dir") or schema_top_level_default("results_dir"), config["run"]).root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--config", nargs="+", type=Path, help="the run's config file(s), e.g. config/config.yaml")
     args = parser.parse_args(argv)
     run_dir = args.run_dir or run_directory(args.config)
-    paths = sorted((run_dir / "evaluation").glob("*.json"))
+    layout = RunLayout(str(run_dir.parent), run_dir.name)
+    paths = sorted(Path(layout.evaluation_dir).glob("*.json"))
     if not paths:
-        print(f"{run_dir / 'evaluation'}: no evaluation results yet", file=sys.stderr)
+        print(f"{layout.evaluation_dir}: no evaluation results yet", file=sys.stderr)
         return 1
-    timing_path = run_dir / TIMING_FILE
+    timing_path = Path(layout.timing_results)
     timing = read_results(timing_path) if timing_path.exists() else {}
     print(f"tau and speedup of {run_dir} (every column: its report/tau_and_speedup.csv)\n\n"
           f"{headline_table(read_evaluations(paths), timing)}")
