@@ -28,10 +28,9 @@ dry-run: $(STAMP)
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
-# One pytest worker per core (at most 4; the expensive shared fixtures are built once, by the first worker that
-# needs them); the 20 slowest tests are printed with the result; -m 'not slow' for a quick loop.
+# The 20 slowest tests are printed with the result, to see where the time goes; -m 'not slow' for a quick loop.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist worksteal --durations=20
+	$(BIN)/python -m pytest --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests benchmarks tools

@@ -14,8 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -78,30 +77,12 @@ def wait_for_event(event: str, happened: Callable[[], bool], process: subprocess
         time.sleep(0.05)
 
 
-@contextmanager
-def built_once(tmp_path_factory, name: str) -> Iterator[tuple[Path, bool]]:
-    """A folder built once per test run and only read afterwards: yields (folder, built already). Under
-    pytest-xdist (`make test` runs one worker per core) the workers share it: the first builds it while the
-    others wait on its lock. A build that raises leaves it unbuilt."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the workers' base temps are siblings
-    folder, marker = root / name, root / f"{name}.built"
-    with FileLock(str(root / f"{name}.lock")):
-        built = marker.exists()
-        folder.mkdir(parents=True, exist_ok=True)
-        yield folder, built
-        marker.touch()
-
-
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory, produced by the real `target` rule from the GGUF."""
-    with built_once(tmp_path_factory, "target") as (workdir, built):
-        if not built:
-            run_snakemake(workdir, base_config(run="target"), "results/target/target")
+    workdir = tmp_path_factory.mktemp("target")
+    config = base_config(run="target")
+    run_snakemake(workdir, config, "results/target/target")
     path = workdir / "results" / "target" / "target"
     assert json.loads((path / "identity.json").read_text())["source"]["kind"] == "gguf"
     return path
