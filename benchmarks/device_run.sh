@@ -20,7 +20,8 @@
 #             pytest process of its own (a CUDA fault in one would break the other's context), beside the data
 #             stage of the first call; their output in the bundle under logs/gpu-tests/.
 #             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
-#             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed).
+#             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed). Checked on
+#             the H200: a setsid process ran on across two calls 6 s apart.
 #   pair      an ablation and its control on two GPUs, sharing one data stage: the example (plus $FIRST overlays)
 #             runs to its hidden stores on GPU 0, a hard-linked copy of its run directory becomes the second run's
 #             (no second copy of the stores on disk), then each run trains, evaluates and reports on its own GPU.
