@@ -98,9 +98,15 @@ def stored_chunk_checksums(shard_file: Path, chunks_per_shard: int) -> bytes:
     return b"".join(checksums)
 
 
+def shard_key(shard_index: int, ndim: int) -> str:
+    """Where zarr's default key encoding keeps shard file `shard_index` of an array of `ndim` dimensions,
+    sharded along the first only: c/<i>/0/..."""
+    return "/".join(["c", str(shard_index)] + ["0"] * (ndim - 1))
+
+
 def write_whole_shard(array_dir: Path, shard_index: int, trailing_dims: int, pieces: list[bytes]) -> None:
     """Write a shard file under zarr's default key encoding (c/<i>/0/...), atomically."""
-    key = Path(array_dir, "c", str(shard_index), *(["0"] * trailing_dims))
+    key = Path(array_dir, shard_key(shard_index, trailing_dims + 1))
     key.parent.mkdir(parents=True, exist_ok=True)
     tmp = key.with_name(key.name + ".tmp")
     with open(tmp, "wb") as handle:
@@ -206,7 +212,7 @@ def describe_bad_chunk(store: Path, name: str, array: zarr.Array, chunk: int, ex
     """One line: store, array, chunk (its rows and the file holding it) and why it failed."""
     rows = array.chunks[0]
     file_rows = (array.shards or array.chunks)[0]  # a zarr shard file holds several chunks
-    key = "/".join(["c", str(chunk * rows // file_rows)] + ["0"] * (array.ndim - 1))
+    key = shard_key(chunk * rows // file_rows, array.ndim)
     reason = "checksum mismatch" if "checksum" in str(exc) else f"{type(exc).__name__}: {str(exc)[:120]}"
     end = min(array.shape[0], (chunk + 1) * rows) - 1
     return (f"{store}: array {name}, chunk {chunk} (rows {chunk * rows}-{end}, file {name}/{key}) is corrupt "
@@ -235,7 +241,7 @@ def verify_shard_indexes(store: Path, name: str, array: zarr.Array) -> None:
     per_file = array.shards[0] // array.chunks[0]
     index_bytes = 16 * per_file
     for number in range(-(-array.shape[0] // array.shards[0])):
-        key = "/".join(["c", str(number)] + ["0"] * (array.ndim - 1))
+        key = shard_key(number, array.ndim)
         file = Path(store, name, key)
         if not file.is_file():
             continue

@@ -168,9 +168,9 @@ def validate(path: Path) -> dict[str, Any]:
         raise InvalidStore(f"{path}: seq_offsets do not cover {num_tokens} tokens")
     rows_per_shard = attrs["rows_per_shard"]
     for name in (spec.name for spec in hidden_specs):
-        trailing = ["0"] * (group[name].ndim - 1)
+        ndim = group[name].ndim
         for index in range(math.ceil(num_tokens / rows_per_shard)):
-            key = Path(name, "c", str(index), *trailing)
+            key = Path(name, zarr_io.shard_key(index, ndim))
             if not (path / key).is_file():  # zarr would read a missing shard file as zeros
                 raise InvalidStore(f"{path}: zarr shard file {key} is missing")
     try:  # bounded: a sample of chunks of every array, one in every shard file (checks its index)
