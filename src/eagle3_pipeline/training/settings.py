@@ -32,6 +32,6 @@ class TrainSettings:
     pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
     drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
 
-    # keys of the section that are not the training process's (the rule's resources and inputs use them): built
-    # with from_section(TrainSettings, section, unread=TrainSettings.NOT_SETTINGS), any other key is refused
+    # keys of the section that are not the training process's (the rule's resources and inputs use them):
+    # from_section(TrainSettings, section) skips these and refuses any other key no field reads
     NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from eagle3_pipeline.drafter.batches import BatchSchedule, Segment
+from eagle3_pipeline.drafter.batches import BatchSchedule, Segment, store_lengths
 from eagle3_pipeline.formats import drafter_weights, hidden_store, metrics, token_shards, train_state
 from eagle3_pipeline.plan_windows import extraction_groups
-from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.inputs import PassJob, TrainingData
 from eagle3_pipeline.training.loop import aux_layers_of, build_drafter, loop, set_up
 from eagle3_pipeline.training.resume import windowed_fingerprint
@@ -26,11 +25,6 @@ from eagle3_pipeline.training.selection import restore_best, summary
 from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
-
-
-def train_settings(section: dict[str, Any]) -> TrainSettings:
-    """The `train` section as training settings, for the train_pass job."""
-    return from_section(TrainSettings, section)
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ def windowed_data(windows: Windows, index: int, heldout_paths: list[Path], extra
     current = plan[index]
     aux_layer_ids = aux_layers_of(list(current.paths))  # validates them
     for path, lengths in zip(current.paths, current.lengths, strict=True):
-        found = np.minimum(hidden_store.HiddenStore(path, validate_store=False).lengths(), settings.max_seq_len)
+        found = store_lengths(path, settings.max_seq_len)
         if not np.array_equal(found, lengths):
             raise hidden_store.InvalidStore(f"{path}: its sequences differ from its token shard's; delete it")
     fingerprint = windowed_fingerprint([windows.token_shards[s] for s in windows.token_shards], heldout_paths,
