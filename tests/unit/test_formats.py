@@ -89,19 +89,25 @@ def test_token_shard_round_trip_and_a_missing_array(tmp_path):
         token_shards.validate(path)
 
 
-def test_hidden_store_round_trip_and_a_missing_shard_file(tmp_path):
-    rng = np.random.default_rng(0)
-    offsets, hidden = np.array([0, 40, 100], np.int64), 16
+def small_bf16_store(path, offsets: np.ndarray, seed: int, hidden: int = 16):
+    """A real bf16 store of random states in two sequences, 4 KiB zarr shard files (many files, one chunk or a
+    few each): (aux, last, the sequences' arrays)."""
+    rng = np.random.default_rng(seed)
     tokens = int(offsets[-1])
     aux = torch.from_numpy(rng.standard_normal((tokens, 3, hidden), dtype=np.float32)).bfloat16()
     last = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32)).bfloat16()
     sequences = {"input_ids": rng.integers(0, 50, tokens).astype(np.int32), "loss_mask": np.ones(tokens, np.uint8),
                  "seq_offsets": offsets, "sample_ids": ["a", "b"]}
-    path = tmp_path / "shard-00000.zarr"
     writer = hidden_store.StoreWriter(path, tokens, hidden, {"num_sequences": 2, "aux_layer_ids": [1, 2, 3]},
                                       sequences, writer_threads=2, shard_bytes=4 << 10)
     writer.append(hidden_store.encode(aux, last, "bfloat16"))
     writer.finish({})
+    return aux, last, sequences
+
+
+def test_hidden_store_round_trip_and_a_missing_shard_file(tmp_path):
+    path = tmp_path / "shard-00000.zarr"
+    aux, last, sequences = small_bf16_store(path, np.array([0, 40, 100], np.int64), seed=0)
     store = hidden_store.HiddenStore(path)
     second = store.sequence(1)
     assert torch.equal(second["aux_hidden_states"].view(torch.int16), aux[40:].view(torch.int16))
@@ -117,18 +123,8 @@ def test_hidden_store_validation_checks_every_shard_files_index(tmp_path):
     file none of the sampled chunks live in is still refused, naming the file."""
     from eagle3_pipeline.formats import zarr_io
 
-    rng = np.random.default_rng(1)
-    tokens, hidden = 2000, 16
-    offsets = np.array([0, 700, tokens], np.int64)
-    aux = torch.from_numpy(rng.standard_normal((tokens, 3, hidden), dtype=np.float32)).bfloat16()
-    last = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32)).bfloat16()
-    sequences = {"input_ids": rng.integers(0, 50, tokens).astype(np.int32), "loss_mask": np.ones(tokens, np.uint8),
-                 "seq_offsets": offsets, "sample_ids": ["a", "b"]}
     path = tmp_path / "shard-00000.zarr"
-    writer = hidden_store.StoreWriter(path, tokens, hidden, {"num_sequences": 2, "aux_layer_ids": [1, 2, 3]},
-                                      sequences, writer_threads=2, shard_bytes=4 << 10)
-    writer.append(hidden_store.encode(aux, last, "bfloat16"))
-    writer.finish({})
+    small_bf16_store(path, np.array([0, 700, 2000], np.int64), seed=1)
     hidden_store.validate(path)
     file = path / "aux_hidden_states" / "c" / "1" / "0" / "0"  # chunk 1 of 63: not among the 16 sampled
     original = file.read_bytes()
