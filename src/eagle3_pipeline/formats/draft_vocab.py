@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import load_file, save_file  # numpy, not torch: the vocab job need not import torch
 
 TENSORS = ("d2t", "t2d", "token_counts")
 
@@ -48,9 +47,9 @@ class DraftVocab:
 
 def write(path: Path, vocab: DraftVocab) -> None:
     tensors = {
-        "d2t": torch.from_numpy(vocab.d2t),
-        "t2d": torch.from_numpy(vocab.t2d),
-        "token_counts": torch.from_numpy(vocab.counts),
+        "d2t": vocab.d2t,
+        "t2d": vocab.t2d,
+        "token_counts": vocab.counts,
     }
     metadata = {"draft_vocab_size": str(len(vocab.draft_ids)), "vocab_size": str(len(vocab.counts)),
                 "coverage": f"{vocab.coverage:.6f}"}
@@ -63,15 +62,15 @@ def identity(path: Path) -> str:
     tensors = load_file(str(path))
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + tensors[name].numpy().tobytes())
+        digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + tensors[name].tobytes())
     return digest.hexdigest()
 
 
 def read(path: Path) -> DraftVocab:
     tensors = load_file(str(path))
-    d2t = tensors["d2t"].numpy()
+    d2t = tensors["d2t"]
     draft_ids = d2t + np.arange(len(d2t), dtype=np.int64)
-    return DraftVocab(draft_ids, tensors["token_counts"].numpy())
+    return DraftVocab(draft_ids, tensors["token_counts"])
 
 
 def validate(path: Path) -> DraftVocab:
@@ -87,6 +86,6 @@ def validate(path: Path) -> DraftVocab:
     ids = vocab.draft_ids
     if len(ids) == 0 or np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= len(vocab.counts):
         raise InvalidDraftVocab(f"{path}: d2t does not map to ascending target ids below {len(vocab.counts)}")
-    if not np.array_equal(tensors["t2d"].numpy(), vocab.t2d):
+    if not np.array_equal(tensors["t2d"], vocab.t2d):
         raise InvalidDraftVocab(f"{path}: t2d disagrees with d2t")
     return vocab
