@@ -144,6 +144,9 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     server_url = (regenerate.get("server") or {}).get("url")
     if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    if regenerate.get("samples", 1) > 1 and regenerate.get("temperature", 0.0) == 0:
+        raise ConfigError(f"config key regenerate.samples: {regenerate['samples']} samples need "
+                          "regenerate.temperature > 0 (greedy samples would be identical)")
     link_max_seq_len(config)
     for i, tree in enumerate((config.get("evaluate") or {}).get("tree") or []):
         if problem := tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):

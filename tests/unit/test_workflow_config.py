@@ -120,6 +120,8 @@ def test_local_files_pass_and_come_back_resolved(tmp_path):
      "config key data.train_conversations: 3 is fewer than data.num_shards (4)"),
     ({"regenerate": {"enabled": True, "engine": "openai"}},
      "config key regenerate.server.url: required when regenerate.engine is 'openai'"),
+    ({"regenerate": {"samples": 2, "temperature": 0.0}},
+     "config key regenerate.samples: 2 samples need regenerate.temperature > 0 (greedy samples would be identical)"),
     ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},
      "config key extract.sglang.final_url: required when extract.backend is 'sglang'"),
 ])
