@@ -5,7 +5,8 @@ truncation at data.max_seq_len, same drops), times the conversations each shard 
 The sample comes from the conversation shards once ingest has written them (their conversation counts are
 then exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own
 code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
-as ingest makes it (data.eval_conversations first, then data.train_conversations, then data.weights).
+as ingest makes it (data.eval_conversations and data.selection_conversations first, then
+data.train_conversations, then data.weights).
 Duplicate ids, which ingest drops, are not seen in a sample; with regeneration on, the ingested replies stand in
 for the regenerated ones until those exist. The estimate is cached under `cache_dir`,
 keyed by the inputs' sizes and times, the tokenizer and the settings, so only the first plan pays for it.
@@ -28,8 +29,8 @@ from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_st
 
 SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
 ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
-DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations", "weights",
-             "seed", "num_shards")
+DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations",
+             "selection_conversations", "weights", "seed", "num_shards")
 
 
 @dataclass
@@ -110,9 +111,9 @@ def split_counts(total: int, num_shards: int) -> list[int]:
 
 
 def training_conversations(kept: float, weight_mean: float, data: dict[str, Any]) -> int:
-    """How many training conversations ingest writes out of `kept` ones: the held-out split first, then
+    """How many training conversations ingest writes out of `kept` ones: the two held-out sets first, then
     data.train_conversations, then each repeated by its source's weight (on average `weight_mean`)."""
-    available = max(kept - data["eval_conversations"], 0)
+    available = max(kept - data["eval_conversations"] - data["selection_conversations"], 0)
     train = min(data["train_conversations"], available) if data["train_conversations"] is not None else available
     return round(train * weight_mean)
 

@@ -21,8 +21,8 @@ from eagle3_pipeline.stages import ingest, tokenize
 from eagle3_pipeline.tokenization import template_hash
 
 SHARDS = ["00000", "00001"]
-DATA = {"num_shards": 2, "eval_conversations": 20, "train_conversations": 300, "seed": 7, "weights": [1.0, 2.0],
-        "max_seq_len": 384, "overlength": "truncate", "end_of_turn": None}
+DATA = {"num_shards": 2, "eval_conversations": 20, "selection_conversations": 10, "train_conversations": 300, "seed": 7,
+        "weights": [1.0, 2.0], "max_seq_len": 384, "overlength": "truncate", "end_of_turn": None}
 SAMPLE = 150
 
 
@@ -55,7 +55,8 @@ def exact_tokens(inputs, target_dir, folder) -> tuple[list[int], list[int]]:
     """(conversations, tokens) per shard, written by the real ingest and tokenize stages."""
     log = logging.getLogger("test")
     shards = [folder / f"shard-{name}.jsonl" for name in SHARDS]
-    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "report.json", from_section(ingest.Settings, DATA), log)
+    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "selection.jsonl", folder / "report.json",
+               from_section(ingest.Settings, DATA), log)
     settings = from_section(tokenize.Settings, DATA, trust_remote_code=False)
     written = [tokenize.run(path, target_dir, folder / f"{path.stem}.zarr", settings, log) for path in shards]
     return [w["conversations_in"] for w in written], [w["num_tokens"] for w in written]

@@ -134,6 +134,15 @@ def test_what_the_schema_cannot_say_is_named_by_key(tmp_path, change, expected):
     assert check_error(config).startswith(expected.format(tmp=tmp_path))
 
 
+def test_the_selection_set_is_as_large_as_the_evaluation_set_unless_set(tmp_path):
+    config = checked_config(tmp_path, data={"eval_conversations": 7, "selection_conversations": None})
+    check(config)
+    assert config["data"]["selection_conversations"] == 7
+    config = checked_config(tmp_path, data={"eval_conversations": 7, "selection_conversations": 3})
+    check(config)
+    assert config["data"]["selection_conversations"] == 3
+
+
 def test_a_chat_template_must_exist_and_parse(tmp_path):
     config = checked_config(tmp_path)
     config["target"] = {**config["target"], "chat_template": str(tmp_path / "missing.jinja")}
