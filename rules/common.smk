@@ -102,6 +102,7 @@ def token_sampler():
                         target["trust_remote_code"], target["chat_template"]),
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
+        samples=config["regenerate"]["samples"] if config["regenerate"]["enabled"] else 1,
     )
 
 

@@ -6,10 +6,10 @@ The sample comes from the conversation shards once ingest has written them (thei
 then exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own
 code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
 as ingest makes it (data.eval_conversations and data.selection_conversations first, then
-data.train_conversations, then data.weights).
-Duplicate ids, which ingest drops, are not seen in a sample; with regeneration on, the ingested replies stand in
-for the regenerated ones until those exist. The estimate is cached under `cache_dir`,
-keyed by the inputs' sizes and times, the tokenizer and the settings, so only the first plan pays for it.
+data.train_conversations, then data.weights). Duplicate ids, which ingest drops, are not seen in a sample; with
+regeneration on, the ingested replies stand in for the regenerated ones until those exist (each counted
+`regenerate.samples` times). The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
+tokenizer and the settings, so only the first plan pays for it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ class SampledTokens:
 
     def tokens(self, shard: str) -> int:
         return round(self.conversations[shard] * self.tokens_per_conversation)
+
+    def times(self, copies: int) -> SampledTokens:
+        return replace(self, conversations={shard: n * copies for shard, n in self.conversations.items()})
 
     @property
     def label(self) -> str:
@@ -133,6 +136,7 @@ class TokenEstimator:
     may_compute: bool = True  # False: a cached estimate or none (e.g. inside a cluster job)
     sample_size: int = SAMPLE_SIZE
     fallback: str = ""
+    samples: int = 1  # regenerate.samples with regeneration on: training conversations per ingested one
 
     def sampled_shards(self) -> list[Path] | None:
         """The conversation files to sample: the first kind every shard has; None before ingest."""
@@ -152,6 +156,14 @@ class TokenEstimator:
     @cached_property
     def estimate(self) -> SampledTokens | None:
         shard_files = self.sampled_shards()
+        sampled = self.sampled(shard_files)
+        read_by_tokenize = shard_files is not None and shard_files == [paths[0] for paths in self.shard_paths]
+        if sampled is None or read_by_tokenize:  # counted where every sample is
+            return sampled
+        return sampled.times(self.samples)  # ingested conversations (or raw records) stand in for their samples
+
+    def sampled(self, shard_files: list[Path] | None) -> SampledTokens | None:
+        """The estimate from `shard_files` (None: the raw inputs), from the cache when it was made before."""
         cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files)}.json"
         if cached.is_file():
             return SampledTokens(**reports.read(cached))
