@@ -19,11 +19,12 @@ def is_dry_run():
 LAYOUT = RunLayout.of(config)  # every path of the run, in one place: src/eagle3_pipeline/layout.py
 RESULTS, LOGS = LAYOUT.root, LAYOUT.logs
 SHARDS = [f"{i:05d}" for i in range(config["data"]["num_shards"])]
-HELDOUT = "heldout"  # the held-out conversations as one more token shard and hidden store (offline estimate)
+HELDOUT = "heldout"  # the selection conversations as one more token shard and hidden store (offline estimate)
 
 TARGET_DIR = LAYOUT.target_dir
 CONVERSATION_SHARD = LAYOUT.conversation_shard
-EVAL_CONVERSATIONS = LAYOUT.eval_conversations
+EVAL_CONVERSATIONS = LAYOUT.eval_conversations  # the `held-out` prompt set
+SELECTION_CONVERSATIONS = LAYOUT.selection_conversations  # the held-out store: the estimate that picks the epoch
 INGEST_REPORT = LAYOUT.ingest_report
 REGENERATED_SHARD = LAYOUT.regenerated_shard
 # What tokenize reads: the target's own replies when regeneration is on, the ingested ones otherwise.
@@ -61,12 +62,12 @@ def job_settings(section):
 
 def tokenize_input(wildcards):
     if wildcards.shard == HELDOUT:
-        return EVAL_CONVERSATIONS
+        return SELECTION_CONVERSATIONS
     return TRAINING_CONVERSATIONS.format(shard=wildcards.shard)
 
 
 def heldout_stores(wildcards):
-    wanted = config["train"]["heldout_estimate"] and config["data"]["eval_conversations"] > 0
+    wanted = config["train"]["heldout_estimate"] and config["data"]["selection_conversations"] > 0
     return [HIDDEN_STORE.format(shard=HELDOUT)] if wanted else []
 
 
@@ -101,6 +102,7 @@ def token_sampler():
                         target["trust_remote_code"], target["chat_template"]),
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
+        samples=config["regenerate"]["samples"] if config["regenerate"]["enabled"] else 1,
     )
 
 

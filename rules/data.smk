@@ -7,6 +7,7 @@ rule ingest:
     output:
         shards=expand(CONVERSATION_SHARD, shard=SHARDS),
         eval=EVAL_CONVERSATIONS,
+        selection=SELECTION_CONVERSATIONS,
         report=INGEST_REPORT,
     params:
         data=config["data"],

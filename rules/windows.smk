@@ -22,8 +22,8 @@ def window_plan():
                  f"or materialise the target first: snakemake {TARGET_DIR}")
     stage = hidden[0]
     heldout_tokens, heldout_exact = plan_windows.heldout_tokens(
-        Path(TOKEN_SHARD.format(shard=HELDOUT)), Path(EVAL_CONVERSATIONS), config["data"]["eval_conversations"],
-        config["data"]["max_seq_len"])
+        Path(TOKEN_SHARD.format(shard=HELDOUT)), Path(SELECTION_CONVERSATIONS),
+        config["data"]["selection_conversations"], config["data"]["max_seq_len"])
     heldout_bytes = int(heldout_tokens * stage.expected_bytes_per_token) if heldout_stores(None) else 0
     try:
         return plan_windows.plan({shard: stage.shard_bytes(shard) for shard in SHARDS}, heldout_bytes, budget,

@@ -11,7 +11,7 @@ import random
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from eagle3_pipeline.raw_records import UNDECODABLE_BYTE, DropReport, IngestError, RawRecord, iter_raw_records
 
@@ -217,24 +217,34 @@ def check_systemic(report: DropReport) -> None:
 Conversations = list[dict[str, Any]]
 
 
-def split(conversations: Conversations, num_shards: int, eval_count: int, train_count: int | None, seed: int,
-          weights: dict[str, float] | None = None) -> tuple[list[Conversations], Conversations]:
-    """Deterministic seeded split into a held-out eval set and `num_shards` near-equal training shards.
+class Split(NamedTuple):
+    shards: list[Conversations]  # training, `num_shards` near-equal shards
+    evaluation: Conversations  # the `held-out` prompt set: never trained on, never used to pick weights
+    selection: Conversations  # the offline acceptance estimate that picks the epoch: never trained on
 
+
+def split(conversations: Conversations, num_shards: int, eval_count: int, selection_count: int,
+          train_count: int | None, seed: int, weights: dict[str, float] | None = None) -> Split:
+    """Deterministic seeded split into two disjoint held-out sets and `num_shards` near-equal training shards.
+
+    One seeded order: the first `eval_count` conversations are the evaluation set (the same for a seed whatever
+    `selection_count` is), the next `selection_count` the selection set, the rest (at most `train_count`) training.
     `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each in twice
     and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training."""
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
-    eval_ids, train_ids = order[:eval_count], order[eval_count:]
+    held_out = eval_count + selection_count
+    eval_ids, selection_ids, train_ids = order[:eval_count], order[eval_count:held_out], order[held_out:]
     if train_count is not None:
         train_ids = train_ids[:train_count]
     training = [conversations[i] for i in train_ids]
     if weights:
         training = _repeat_by_weight(training, weights, seed)
     if len(training) < num_shards:
-        raise IngestError(f"only {len(training)} training conversations for {num_shards} shards")
+        raise IngestError(f"only {len(training)} training conversations for {num_shards} shards (after "
+                          f"{len(eval_ids)} held out for evaluation and {len(selection_ids)} for selection)")
     shards = [training[s::num_shards] for s in range(num_shards)]
-    return shards, [conversations[i] for i in eval_ids]
+    return Split(shards, [conversations[i] for i in eval_ids], [conversations[i] for i in selection_ids])
 
 
 def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: int) -> Conversations:

@@ -13,7 +13,8 @@ class RunLayout:
         # the target and the data
         self.target_dir = f"{root}/target"
         self.conversation_shard = f"{root}/conversations/shard-{{shard}}.jsonl"
-        self.eval_conversations = f"{root}/conversations/eval.jsonl"
+        self.eval_conversations = f"{root}/conversations/eval.jsonl"  # the `held-out` prompt set
+        self.selection_conversations = f"{root}/conversations/selection.jsonl"  # the store that picks the epoch
         self.ingest_report = f"{root}/conversations/ingest_report.json"
         self.regenerated_shard = f"{root}/regenerated/shard-{{shard}}.jsonl"
         self.token_shard = f"{root}/tokens/shard-{{shard}}.zarr"

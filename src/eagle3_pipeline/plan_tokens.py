@@ -5,10 +5,11 @@ truncation at data.max_seq_len, same drops), times the conversations each shard 
 The sample comes from the conversation shards once ingest has written them (their conversation counts are
 then exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own
 code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
-as ingest makes it (data.eval_conversations first, then data.train_conversations, then data.weights).
-Duplicate ids, which ingest drops, are not seen in a sample; with regeneration on, the ingested replies stand in
-for the regenerated ones until those exist. The estimate is cached under `cache_dir`,
-keyed by the inputs' sizes and times, the tokenizer and the settings, so only the first plan pays for it.
+as ingest makes it (data.eval_conversations and data.selection_conversations first, then
+data.train_conversations, then data.weights). Duplicate ids, which ingest drops, are not seen in a sample; with
+regeneration on, the ingested replies stand in for the regenerated ones until those exist (each counted
+`regenerate.samples` times). The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
+tokenizer and the settings, so only the first plan pays for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_st
 
 SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
 ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
-DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations", "weights",
-             "seed", "num_shards")
+DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations",
+             "selection_conversations", "weights", "seed", "num_shards")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class SampledTokens:
 
     def tokens(self, shard: str) -> int:
         return round(self.conversations[shard] * self.tokens_per_conversation)
+
+    def times(self, copies: int) -> SampledTokens:
+        return replace(self, conversations={shard: n * copies for shard, n in self.conversations.items()})
 
     @property
     def label(self) -> str:
@@ -110,9 +114,9 @@ def split_counts(total: int, num_shards: int) -> list[int]:
 
 
 def training_conversations(kept: float, weight_mean: float, data: dict[str, Any]) -> int:
-    """How many training conversations ingest writes out of `kept` ones: the held-out split first, then
+    """How many training conversations ingest writes out of `kept` ones: the two held-out sets first, then
     data.train_conversations, then each repeated by its source's weight (on average `weight_mean`)."""
-    available = max(kept - data["eval_conversations"], 0)
+    available = max(kept - data["eval_conversations"] - data["selection_conversations"], 0)
     train = min(data["train_conversations"], available) if data["train_conversations"] is not None else available
     return round(train * weight_mean)
 
@@ -132,6 +136,7 @@ class TokenEstimator:
     may_compute: bool = True  # False: a cached estimate or none (e.g. inside a cluster job)
     sample_size: int = SAMPLE_SIZE
     fallback: str = ""
+    samples: int = 1  # regenerate.samples with regeneration on: training conversations per ingested one
 
     def sampled_shards(self) -> list[Path] | None:
         """The conversation files to sample: the first kind every shard has; None before ingest."""
@@ -151,6 +156,14 @@ class TokenEstimator:
     @cached_property
     def estimate(self) -> SampledTokens | None:
         shard_files = self.sampled_shards()
+        sampled = self.sampled(shard_files)
+        read_by_tokenize = shard_files is not None and shard_files == [paths[0] for paths in self.shard_paths]
+        if sampled is None or read_by_tokenize:  # counted where every sample is
+            return sampled
+        return sampled.times(self.samples)  # ingested conversations (or raw records) stand in for their samples
+
+    def sampled(self, shard_files: list[Path] | None) -> SampledTokens | None:
+        """The estimate from `shard_files` (None: the raw inputs), from the cache when it was made before."""
         cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files)}.json"
         if cached.is_file():
             return SampledTokens(**reports.read(cached))

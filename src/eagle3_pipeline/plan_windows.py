@@ -153,10 +153,9 @@ def plan(shard_bytes: dict[str, int], heldout_bytes: int, budget_gb: float, epoc
                       tuple(pass_order(len(windows), epochs, seed)), exact)
 
 
-def heldout_tokens(token_shard: Path, conversations: Path, eval_conversations: int, max_seq_len: int
-                   ) -> tuple[int, bool]:
-    """(tokens of the held-out store, exact?): its token shard's count, else estimated from its conversations,
-    else at most every held-out conversation at full length."""
+def heldout_tokens(token_shard: Path, conversations: Path, count: int, max_seq_len: int) -> tuple[int, bool]:
+    """(tokens of the held-out store, exact?): its token shard's count, else estimated from its conversations
+    (data.selection_conversations), else at most `count` conversations at full length."""
     from eagle3_pipeline import plan as disk_plan
     from eagle3_pipeline.formats import token_shards
 
@@ -167,4 +166,4 @@ def heldout_tokens(token_shard: Path, conversations: Path, eval_conversations: i
             pass
     if conversations.is_file():
         return disk_plan.estimate_from_conversations(conversations, max_seq_len), False
-    return eval_conversations * max_seq_len, False
+    return count * max_seq_len, False

@@ -144,7 +144,11 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     server_url = (regenerate.get("server") or {}).get("url")
     if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    if regenerate.get("samples", 1) > 1 and regenerate.get("temperature", 0.0) == 0:
+        raise ConfigError(f"config key regenerate.samples: {regenerate['samples']} samples need "
+                          "regenerate.temperature > 0 (greedy samples would be identical)")
     link_max_seq_len(config)
+    link_selection_conversations(config["data"])
     for i, tree in enumerate((config.get("evaluate") or {}).get("tree") or []):
         if problem := tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):
             raise ConfigError(f"config key evaluate.tree[{i}]: {problem}")
@@ -182,6 +186,14 @@ def link_max_seq_len(config: dict[str, Any]) -> None:
     elif train["max_seq_len"] > data_len:
         raise ConfigError(f"config key train.max_seq_len: {train['max_seq_len']} is more than data.max_seq_len "
                           f"({data_len}), the longest sequence the stores hold; lower it or leave it null")
+
+
+def link_selection_conversations(data: dict[str, Any]) -> None:
+    """data.selection_conversations follows data.eval_conversations when null (filled in here, so ingest, the
+    rules and the disk plan read one number): both held-out sets the same size, the selection set the size the
+    estimate had when it read the evaluation set."""
+    if data.get("selection_conversations") is None:  # a validated config has both keys
+        data["selection_conversations"] = data.get("eval_conversations")
 
 
 def schema_properties(schema_path: Path | None = None) -> dict[str, Any]:

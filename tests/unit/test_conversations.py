@@ -112,16 +112,20 @@ def test_unreadable_inputs_raise_a_clear_error(tmp_path):
         ingest([tmp_path / "text.txt"])
 
 
-def test_split_is_deterministic_and_disjoint():
-    conversations_ = [{"id": f"c{i}", "messages": []} for i in range(103)]
-    shards, held_out = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=7)
-    again, held_again = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=7)
-    assert shards == again and held_out == held_again
-    ids = [c["id"] for shard in shards for c in shard] + [c["id"] for c in held_out]
-    assert sorted(ids) == sorted(c["id"] for c in conversations_)
-    assert {len(s) for s in shards} <= {23, 24}
-    other, _ = split(conversations_, num_shards=4, eval_count=10, train_count=None, seed=8)
-    assert other != shards
+def test_split_is_deterministic_and_its_three_parts_disjoint():
+    conversations_ = [{"id": f"c{i}", "messages": []} for i in range(113)]
+    parts = split(conversations_, num_shards=4, eval_count=10, selection_count=10, train_count=None, seed=7)
+    assert parts == split(conversations_, num_shards=4, eval_count=10, selection_count=10, train_count=None, seed=7)
+    ids = {name: [c["id"] for c in part] for name, part in
+           [("train", [c for shard in parts.shards for c in shard]), ("eval", parts.evaluation),
+            ("selection", parts.selection)]}
+    assert len(ids["eval"]) == len(ids["selection"]) == 10
+    assert sorted(sum(ids.values(), [])) == sorted(c["id"] for c in conversations_)  # each in exactly one part
+    assert {len(s) for s in parts.shards} <= {23, 24}
+    fewer = split(conversations_, num_shards=4, eval_count=10, selection_count=3, train_count=None, seed=7)
+    assert fewer.evaluation == parts.evaluation  # the evaluation set does not move with the selection set's size
+    other = split(conversations_, num_shards=4, eval_count=10, selection_count=10, train_count=None, seed=8)
+    assert other.shards != parts.shards and other.selection != parts.selection
 
 
 def test_jsonl_round_trip_is_atomic(tmp_path):

@@ -4,6 +4,7 @@ with SmolLM2's own tokenizer, read from its GGUF file as the plan reads it befor
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -21,8 +22,8 @@ from eagle3_pipeline.stages import ingest, tokenize
 from eagle3_pipeline.tokenization import template_hash
 
 SHARDS = ["00000", "00001"]
-DATA = {"num_shards": 2, "eval_conversations": 20, "train_conversations": 300, "seed": 7, "weights": [1.0, 2.0],
-        "max_seq_len": 384, "overlength": "truncate", "end_of_turn": None}
+DATA = {"num_shards": 2, "eval_conversations": 20, "selection_conversations": 10, "train_conversations": 300, "seed": 7,
+        "weights": [1.0, 2.0], "max_seq_len": 384, "overlength": "truncate", "end_of_turn": None}
 SAMPLE = 150
 
 
@@ -55,7 +56,8 @@ def exact_tokens(inputs, target_dir, folder) -> tuple[list[int], list[int]]:
     """(conversations, tokens) per shard, written by the real ingest and tokenize stages."""
     log = logging.getLogger("test")
     shards = [folder / f"shard-{name}.jsonl" for name in SHARDS]
-    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "report.json", from_section(ingest.Settings, DATA), log)
+    ingest.run(inputs, shards, folder / "eval.jsonl", folder / "selection.jsonl", folder / "report.json",
+               from_section(ingest.Settings, DATA), log)
     settings = from_section(tokenize.Settings, DATA, trust_remote_code=False)
     written = [tokenize.run(path, target_dir, folder / f"{path.stem}.zarr", settings, log) for path in shards]
     return [w["conversations_in"] for w in written], [w["num_tokens"] for w in written]
@@ -86,6 +88,8 @@ def test_the_sampled_estimate_is_within_10_percent_of_what_tokenize_writes(packa
     assert abs(sum(before.tokens(s) for s in SHARDS) / sum(tokens) - 1) < 0.10
     after = estimator(package_slice, tmp_path / "cache", [tmp_path / f"shard-{s}.jsonl" for s in SHARDS]).estimate
     assert list(after.conversations.values()) == conversations  # counted in the conversation shards
+    read_by_tokenize = estimator(package_slice, tmp_path / "cache", [tmp_path / f"shard-{s}.jsonl" for s in SHARDS])
+    assert dataclasses.replace(read_by_tokenize, samples=2).estimate == after  # they hold every sample already
     assert abs(sum(after.tokens(s) for s in SHARDS) / sum(tokens) - 1) < 0.10
     saved = next((tmp_path / "cache").glob("tokenizers/*"))  # the GGUF's tokenizer, as the target rule saves it
     assert template_hash(load_tokenizer(saved)) == template_hash(load_tokenizer(target_dir))
@@ -101,6 +105,8 @@ def test_the_same_seed_gives_the_same_estimate_and_a_job_reads_the_cached_one(pa
     assert in_a_job.estimate == first  # read from the cache: a job never tokenizes
     shutil.rmtree(tmp_path / "cache" / "token-estimates")
     assert estimator(package_slice, tmp_path / "cache").estimate == first  # made again, same sample
+    sampled_twice = dataclasses.replace(estimator(package_slice, tmp_path / "cache", may_compute=False), samples=2)
+    assert sampled_twice.estimate == first.times(2)  # regenerate.samples: 2 training conversations per ingested one
     nothing_cached = estimator(package_slice, tmp_path / "elsewhere", may_compute=False)
     assert nothing_cached.estimate is None and nothing_cached.fallback == "characters: no cached sample in this job"
 

@@ -49,8 +49,21 @@ def word_count(history):
     return sum(len(message["content"].split()) + 4 for message in history)
 
 
-def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, target_dir):
-    engine = regenerate.HFEngine(target_dir, settings())
+@pytest.fixture(scope="module")
+def loaded_engine(target_dir) -> regenerate.HFEngine:
+    return regenerate.HFEngine(target_dir, settings())
+
+
+@pytest.fixture
+def hf_engine(loaded_engine) -> regenerate.HFEngine:
+    """The HF engine on SmolLM2, loaded once for the module; a test may set the settings it generates with (they
+    are reset to `settings()` before each)."""
+    loaded_engine.settings = settings()
+    return loaded_engine
+
+
+def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, hf_engine):
+    engine = hf_engine
     kept, counts = regenerate.regenerate_conversations(
         CHATS, engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert [c["id"] for c in kept] == ["a", "b", "c"] and counts["kept"] == 3
@@ -76,8 +89,29 @@ def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, target_dir):
             assert message["content"] == tokenizer.decode(output, skip_special_tokens=True).strip()
 
 
-def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, target_dir):
-    engine = regenerate.HFEngine(target_dir, settings(max_context_tokens=30))
+def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_path, hf_engine):
+    engine = hf_engine
+    engine.settings = settings(temperature=1.0, samples=2, max_new_tokens=8)
+
+    def sampled(**changes):
+        engine.settings = dataclasses.replace(engine.settings, **changes)
+        progress = tmp_path / f"progress-{len(list(tmp_path.iterdir()))}.jsonl"
+        return regenerate.regenerate_conversations(CHATS[1:], engine, engine.settings, word_count, progress, "fp",
+                                                   LOG, pool_size=8)
+
+    kept, counts = sampled()
+    assert [c["id"] for c in kept] == ["b", "b#s2", "c", "c#s2"] and counts["kept"] == 4 and counts["replies"] == 6
+    replies = [[m["content"] for m in c["messages"] if m["role"] == "assistant"] for c in kept]
+    assert replies[0] != replies[1] and replies[2][0] != replies[3][0]  # the same history, two draws
+    assert sampled(batch_size=4)[0] == kept  # the same seeds in other batches (other padding): the same replies
+    other_seed = sampled(seed=1)[0]
+    assert [c["id"] for c in other_seed] == [c["id"] for c in kept] and other_seed != kept
+    assert regenerate.sample_id("x#2", 3) == "x#2#s3"  # a data.weights copy's samples keep both marks
+
+
+def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, hf_engine):
+    engine = hf_engine
+    engine.settings = settings(max_context_tokens=30)
     kept, counts = regenerate.regenerate_conversations(
         CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert counts["cut_at_context_limit"] == 1
@@ -106,6 +140,9 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
                         + json.dumps({"index": 1, "conversation": marked}) + "\n")
     summary = regenerate.run_shard(shard, output, target_dir, settings(max_new_tokens=6), LOG)
     assert summary["resumed"] == 0
+    sampling = settings(temperature=0.5)
+    assert regenerate.fingerprint(shard, dataclasses.replace(sampling, samples=2), "t") != \
+        regenerate.fingerprint(shard, sampling, "t")  # samples change the output: no resume across them
     assert conversation_shards.read(output)[1]["messages"][-1]["content"] != "RESUMED"
 
 

@@ -40,18 +40,19 @@ def conversation(source: str, index: int) -> dict:
 
 def test_weights_repeat_a_source_and_leave_held_out_and_unweighted_data_alone():
     data = [conversation("a.json", i) for i in range(400)] + [conversation("b.json", i) for i in range(100)]
-    plain_shards, plain_eval = conversations.split(data, 4, 20, None, seed=7)
-    shards, held_out = conversations.split(data, 4, 20, None, seed=7, weights={"b.json": 2.5, "a.json": 1.0})
-    assert held_out == plain_eval  # the held-out split does not depend on weights
+    unweighted = conversations.split(data, 4, 20, 10, None, seed=7)
+    shards, held_out, selection = conversations.split(data, 4, 20, 10, None, seed=7,
+                                                      weights={"b.json": 2.5, "a.json": 1.0})
+    assert (held_out, selection) == unweighted[1:]  # the held-out sets do not depend on weights
     training = [c for shard in shards for c in shard]
-    plain = [c for shard in plain_shards for c in shard]
+    plain = [c for shard in unweighted.shards for c in shard]
     by_source = Counter(c["source"] for c in training)
     plain_b = sum(c["source"] == "b.json" for c in plain)
     assert by_source["a.json"] == sum(c["source"] == "a.json" for c in plain)
     assert 2 * plain_b < by_source["b.json"] < 3 * plain_b  # twice each, a seeded share a third time
     assert len({c["id"] for c in training}) == len(training)  # copies get their own ids
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    none_of_b, _ = conversations.split(data, 4, 20, None, seed=7, weights={"b.json": 0})
+    none_of_b = conversations.split(data, 4, 20, 10, None, seed=7, weights={"b.json": 0}).shards
     assert all(c["source"] == "a.json" for shard in none_of_b for c in shard)
 
 

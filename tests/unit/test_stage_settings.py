@@ -38,6 +38,7 @@ def embedded_config() -> dict:
             config[section] = defaults | {key: defaults[key] | value if isinstance(value, dict) else value
                                           for key, value in values.items()}
     workflow_config.link_max_seq_len(config)
+    workflow_config.link_selection_conversations(config["data"])
     return config
 
 
@@ -64,6 +65,7 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
             setattr(settings, dataclasses.fields(settings)[0].name, None)
     data_len = config["data"]["max_seq_len"]  # train.max_seq_len and regenerate.max_context_tokens: null follows it
     assert built[7].max_seq_len == data_len and built[6].max_context_tokens == data_len
+    assert built[0].selection_conversations == built[0].eval_conversations  # null: the evaluation set's size
     assert built[10].prompts == config["evaluate"]["timing"]["prompts"]
 
 

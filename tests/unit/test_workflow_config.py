@@ -120,6 +120,8 @@ def test_local_files_pass_and_come_back_resolved(tmp_path):
      "config key data.train_conversations: 3 is fewer than data.num_shards (4)"),
     ({"regenerate": {"enabled": True, "engine": "openai"}},
      "config key regenerate.server.url: required when regenerate.engine is 'openai'"),
+    ({"regenerate": {"samples": 2, "temperature": 0.0}},
+     "config key regenerate.samples: 2 samples need regenerate.temperature > 0 (greedy samples would be identical)"),
     ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},
      "config key extract.sglang.final_url: required when extract.backend is 'sglang'"),
 ])
@@ -130,6 +132,15 @@ def test_what_the_schema_cannot_say_is_named_by_key(tmp_path, change, expected):
                   for key, value in values.items()}
         config[section] = {**config[section], **values}
     assert check_error(config).startswith(expected.format(tmp=tmp_path))
+
+
+def test_the_selection_set_is_as_large_as_the_evaluation_set_unless_set(tmp_path):
+    config = checked_config(tmp_path, data={"eval_conversations": 7, "selection_conversations": None})
+    check(config)
+    assert config["data"]["selection_conversations"] == 7
+    config = checked_config(tmp_path, data={"eval_conversations": 7, "selection_conversations": 3})
+    check(config)
+    assert config["data"]["selection_conversations"] == 3
 
 
 def test_a_chat_template_must_exist_and_parse(tmp_path):

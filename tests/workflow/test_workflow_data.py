@@ -37,7 +37,8 @@ def test_data_stage_end_to_end(data_stage_run):
     assert report["conversations_kept"] == expected
     assert report["dropped"] == {"empty_conversation": 1, "no_user_turn": 1, "unknown_role": 1,
                                  "truncated_record": 1}
-    assert report["train_conversations"] == expected - 4 and report["eval_conversations"] == 4
+    assert report["eval_conversations"] == report["selection_conversations"] == 4  # the selection set follows
+    assert report["train_conversations"] == expected - 8
     total = 0
     for shard in ("00000", "00001"):
         data = token_shards.read(results / "tokens" / f"shard-{shard}.zarr")
@@ -45,7 +46,7 @@ def test_data_stage_end_to_end(data_stage_run):
         assert data.attrs["target_hash"] and data.attrs["end_of_turn"] == "<|im_end|>"
         total += len(data)
         assert (workdir / "logs" / "tiny" / "tokenize" / f"shard-{shard}.log").read_text().count("tokens/s")
-    assert total == expected - 4
+    assert total == expected - 8
     draft = draft_vocab.read(results / "vocab" / "draft_vocab.safetensors")
     assert len(draft.draft_ids) == 500 and len(draft.counts) == 49152
     stats = json.loads((results / "vocab" / "data_stats.json").read_text())

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from eagle3_pipeline.formats import token_shards
+from eagle3_pipeline.formats import conversation_shards, token_shards
 from tests.conftest import run_snakemake
 from tests.workflow.conftest import copy_run, journal_records, kill_when, start_snakemake
 
@@ -91,6 +91,10 @@ def test_the_tiny_run_checks_parity_estimates_each_epoch_and_exports_for_serving
     estimate = train_summary["heldout_estimate"]
     assert [row["epoch"] for row in estimate["by_epoch"]] == [1]  # one epoch, one offline estimate
     heldout = token_shards.read(results / "tokens" / "shard-heldout.zarr")
+    parts = {name: {c["id"] for c in conversation_shards.read(results / "conversations" / f"{name}.jsonl")}
+             for name in ("eval", "selection", "shard-00000", "shard-00001")}
+    assert all(parts.values()) and sum(map(len, parts.values())) == len(set().union(*parts.values()))  # disjoint
+    assert set(heldout.sample_ids) == parts["selection"]  # the epoch is picked on the selection set, not eval
     masks = np.split(heldout.loss_mask, heldout.seq_offsets[1:-1])
     # a draft is made at t whenever token t+2 is an assistant token: every held-out loss token past the second
     assert estimate["by_epoch"][0]["positions"] == sum(int(mask[2:].sum()) for mask in masks)

@@ -1,5 +1,5 @@
-"""Normalized conversation shards: `conversations/shard-{i:05d}.jsonl`, `conversations/eval.jsonl` (ingest)
-and `regenerated/shard-{i:05d}.jsonl` (regenerate), all the same format.
+"""Normalized conversation shards: `conversations/shard-{i:05d}.jsonl`, `conversations/eval.jsonl` and
+`conversations/selection.jsonl` (ingest) and `regenerated/shard-{i:05d}.jsonl` (regenerate), all the same format.
 
 One JSON object per line, UTF-8 (not ASCII-escaped): `id` (string), `source` (the input file's name),
 `messages` (a list of `{"role": "system"|"user"|"assistant", "content": str}`), in shard order.

@@ -1,4 +1,5 @@
-"""Rule `ingest`: read raw conversations, normalise, report drops, split into shards + held-out."""
+"""Rule `ingest`: read raw conversations, normalise, report drops, split into shards and two held-out sets
+(evaluation; selection of the epoch)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from eagle3_pipeline.settings import from_section, setting
 class Settings:
     num_shards: int
     eval_conversations: int
+    selection_conversations: int
     train_conversations: int | None
     seed: int
     weights: tuple[float, ...] | None = setting(convert=tuple)  # one per input; None: every input once
 
 
-def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, report_output: Path,
-        settings: Settings, log: logging.Logger) -> dict[str, Any]:
+def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, selection_output: Path,
+        report_output: Path, settings: Settings, log: logging.Logger) -> dict[str, Any]:
     kept, report = conversations.ingest(inputs)
     for line in report.summary_lines():
         log.info(line)
@@ -30,20 +32,24 @@ def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, report
     weights = None
     if settings.weights:  # by source file name: normalized conversations record the file they came from
         weights = {path.name: w for path, w in zip(inputs, settings.weights, strict=True)}
-    shards, held_out = conversations.split(kept, settings.num_shards, settings.eval_conversations,
-                                           settings.train_conversations, settings.seed, weights)
-    for shard, path in zip(shards, shard_outputs, strict=True):
+    parts = conversations.split(kept, settings.num_shards, settings.eval_conversations,
+                                settings.selection_conversations, settings.train_conversations, settings.seed, weights)
+    for shard, path in zip(parts.shards, shard_outputs, strict=True):
         conversation_shards.write(path, shard)
-    conversation_shards.write(eval_output, held_out)
-    summary = report.as_dict() | {"train_conversations": sum(map(len, shards)), "eval_conversations": len(held_out),
-                                  "conversations_per_shard": [len(s) for s in shards]}
+    conversation_shards.write(eval_output, parts.evaluation)
+    conversation_shards.write(selection_output, parts.selection)
+    summary = report.as_dict() | {"train_conversations": sum(map(len, parts.shards)),
+                                  "eval_conversations": len(parts.evaluation),
+                                  "selection_conversations": len(parts.selection),
+                                  "conversations_per_shard": [len(s) for s in parts.shards]}
     reports.write(report_output, summary)
-    log.info("wrote %d shards (%s conversations) and %d held-out", len(shards),
-             summary["conversations_per_shard"], len(held_out))
+    log.info("wrote %d shards (%s conversations), %d held out for evaluation and %d for selection",
+             len(parts.shards), summary["conversations_per_shard"], len(parts.evaluation), len(parts.selection))
     return summary
 
 
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
-    run([Path(p) for p in snakemake.input], [Path(p) for p in snakemake.output.shards],
-        Path(snakemake.output.eval), Path(snakemake.output.report), from_section(Settings, snakemake.params.data), log)
+    output = snakemake.output
+    run([Path(p) for p in snakemake.input], [Path(p) for p in output.shards], Path(output.eval),
+        Path(output.selection), Path(output.report), from_section(Settings, snakemake.params.data), log)

@@ -11,6 +11,11 @@ are easy to predict, so they lift training accuracy, but they teach little about
 is measured; the summary counts those over `repetition_threshold`, and `drop_repetitive` ends the
 conversation before such a reply instead of keeping it.
 
+Samples: with `samples` N > 1 (and temperature > 0) every conversation is regenerated N times, each kept as
+its own conversation (ids `<id>`, `<id>#s2`, ...). Each reply has its own seed (`reply_seed`: regenerate.seed,
+the conversation id, the sample, the turn), which the engines draw from (the HF engine per row: hf.py says what
+reproduces).
+
 Resume: finished conversations are appended to `<output>.progress.jsonl` as they finish (first line: a
 fingerprint of the input and the settings). A rerun after a kill keeps them and regenerates the rest; a
 changed input or setting discards the file. The output is written atomically at the end, in input order.
@@ -45,8 +50,9 @@ from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 # ---------------------------------------------------------------------------------------------- driver
 @dataclass
 class _InProgress:
-    index: int
+    index: int  # into the (conversation, sample) list: what the progress journal records
     source: dict[str, Any]
+    sample: int = 1
     messages: list[dict[str, str]] = field(default_factory=list)
     cursor: int = 0
     dropped: str | None = None
@@ -69,20 +75,38 @@ class _InProgress:
         self.messages.pop()
         self.done = True
 
+    @property
+    def id(self) -> str:
+        return sample_id(self.source["id"], self.sample)
+
+
+def sample_id(conversation_id: str, sample: int) -> str:
+    """Sample 1 keeps the conversation's id, sample k >= 2 is `<id>#s<k>` (data.weights' copies are `<id>#<n>`)."""
+    return conversation_id if sample == 1 else f"{conversation_id}#s{sample}"
+
+
+def reply_seed(seed: int, conversation_id: str, sample: int, turn: int) -> int:
+    """The seed of one reply: a hash of regenerate.seed, the conversation, the sample and the turn, so it does not
+    depend on where the conversation sits in its shard or batch. 31 bits: every server takes it."""
+    digest = hashlib.sha256(json.dumps([seed, conversation_id, sample, turn]).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+
 
 def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine, settings: Settings,
                              count_tokens: Any, progress_path: Path, fingerprint: str, log: logging.Logger,
                              pool_size: int, rolling: bool = True) -> tuple[list[dict[str, Any]], Counter]:
-    """Regenerate every conversation; resumable through `progress_path`. Returns kept conversations + counts.
+    """Regenerate every conversation `settings.samples` times; resumable through `progress_path`. Returns the kept
+    conversations (in input order, a conversation's samples together) and the counts.
 
     Up to `pool_size` conversations are in progress; every round asks the engine for the next reply of each.
     `rolling` refills the pool as conversations finish, so rounds stay full whatever the number of turns;
     without it the pool is refilled only when empty (chunks wait for their longest conversation)."""
+    work = [(i, sample) for i in range(len(conversations)) for sample in range(1, settings.samples + 1)]
     finished = _load_progress(progress_path, fingerprint, log)
     counts: Counter = Counter(resumed=len(finished))
-    waiting = deque(i for i in range(len(conversations)) if i not in finished)
-    log.info("%d conversations, %d already done (resumed), %d to regenerate", len(conversations),
-             len(finished), len(waiting))
+    waiting = deque(i for i in range(len(work)) if i not in finished)
+    log.info("%d conversations x %d samples, %d already done (resumed), %d to regenerate", len(conversations),
+             settings.samples, len(finished), len(waiting))
     progress = Progress(log, "regenerate", len(waiting))
     active: list[_InProgress] = []
     with open(progress_path, "a", encoding="utf-8") as sink:
@@ -92,7 +116,8 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
             if rolling or not active:
                 while waiting and len(active) < pool_size:
                     index = waiting.popleft()
-                    active.append(_InProgress(index, conversations[index]))
+                    conversation, sample = work[index]
+                    active.append(_InProgress(index, conversations[conversation], sample))
             tokens = _advance(active, engine, settings, count_tokens, counts, log)
             done = [state for state in active if state.done]
             for state in done:
@@ -102,7 +127,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
             active = [state for state in active if not state.done]
             progress.update(len(done), tokens)
     progress.finish()
-    kept = [finished[i]["conversation"] for i in range(len(conversations)) if "conversation" in finished[i]]
+    kept = [finished[i]["conversation"] for i in range(len(work)) if "conversation" in finished[i]]
     counts["kept"] = len(kept)
     counts.update(f"dropped_{record['dropped']}" for record in finished.values() if "dropped" in record)
     return kept, counts
@@ -120,7 +145,7 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, coun
             context = count_tokens(history)
         except TemplateError as exc:
             state.dropped, state.done = "template_error", True
-            log.warning("conversation %s: %s", state.source["id"], exc)
+            log.warning("conversation %s: %s", state.id, exc)
             continue
         if context + settings.max_new_tokens > settings.max_context_tokens:
             counts["cut_at_context_limit"] += 1
@@ -131,10 +156,10 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, coun
     if not asking:
         return 0
     generated = 0
-    seeds = [settings.seed * 1_000_003 + state.index * 101 + len(state.messages) for state in asking]
+    seeds = [reply_seed(settings.seed, state.source["id"], state.sample, len(state.messages)) for state in asking]
     for state, reply in zip(asking, engine.reply(histories, seeds), strict=True):
         if isinstance(reply, RequestRejected):
-            log.warning("conversation %s (record %d): rejected: %s", state.source["id"], state.index, reply)
+            log.warning("conversation %s: rejected: %s", state.id, reply)
             state.dropped, state.done = "rejected_by_engine", True
             continue
         generated += reply.tokens
@@ -177,8 +202,8 @@ def _finished_record(state: _InProgress) -> dict[str, Any]:
     if state.dropped is None and not any(m["role"] == "assistant" for m in state.messages):
         state.dropped = "no_reply"
     if state.dropped:
-        return {"dropped": state.dropped, "id": state.source["id"]}
-    return {"conversation": {**state.source, "messages": state.messages}}
+        return {"dropped": state.dropped, "id": state.id}
+    return {"conversation": {**state.source, "id": state.id, "messages": state.messages}}
 
 
 def _load_progress(path: Path, fingerprint: str, log: logging.Logger) -> dict[int, dict[str, Any]]:
@@ -245,7 +270,7 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
     kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,
                                             fingerprint(conversation_file, settings, identity), log, pool_size)
     warn_if_repetitive(counts, settings, log)
-    systemic.check("regenerate", str(conversation_file), len(source), len(kept),
+    systemic.check("regenerate", str(conversation_file), len(source) * settings.samples, len(kept),
                    {key: counts[key] for key in REGENERATE_FIXES}, REGENERATE_FIXES, "see the warnings above")
     conversation_shards.write(output, kept)
     progress_path.unlink()

@@ -19,6 +19,7 @@ class Settings:
     max_new_tokens: int
     temperature: float
     top_p: float
+    samples: int  # replies per conversation, each kept as its own conversation
     thinking: bool | None
     max_context_tokens: int
     batch_size: int
@@ -39,6 +40,8 @@ class Settings:
     def output_defining(self) -> dict[str, Any]:
         """The settings that change what is generated (not how fast): they decide whether to resume."""
         keys = ["engine", "max_new_tokens", "temperature", "top_p", "thinking", "max_context_tokens", "seed", "model"]
+        if self.samples != 1:  # only when set: a journal written before the setting existed stays resumable
+            keys.append("samples")
         if self.drop_repetitive:
             keys += ["drop_repetitive", "repetition_threshold"]
         return {key: getattr(self, key) for key in keys}

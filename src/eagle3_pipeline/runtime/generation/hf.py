@@ -1,8 +1,17 @@
-"""The HF engine: batched `generate` on the target directory (left padded; CPU or GPU)."""
+"""The HF engine: batched `generate` on the target directory (left padded; CPU or GPU).
+
+Sampling draws each reply's tokens from that reply's own seed: HF's sampling draws a whole batch from one global
+generator, so a reply would depend on its batch mates. Here generate decodes greedily over Gumbel-perturbed
+logits instead (`RowSeededSampling`): argmax(logits / T + G), G ~ Gumbel(0, 1), is a draw from softmax(logits / T),
+and each row's G comes from a generator seeded with the row's seed. What reproduces: the same seed and the same
+history on the same device and dtype give the same draws; the logits themselves can differ in their last bits
+with the padding a batch brings (as in greedy decoding), which in a near tie changes a token. A run's batches are
+a function of its input and settings, so the same config reproduces the same shard on the same machine."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings
 from eagle3_pipeline.tokenization import render
@@ -36,21 +45,21 @@ class HFEngine:
         results: list[Reply | RequestRejected] = [RequestRejected("not generated")] * len(prompts)
         for start in range(0, len(order), self.settings.batch_size):
             batch = order[start:start + self.settings.batch_size]
-            for index, reply in zip(batch, self._generate([prompts[i] for i in batch], seeds[batch[0]]), strict=True):
+            replies = self._generate([prompts[i] for i in batch], [seeds[i] for i in batch])
+            for index, reply in zip(batch, replies, strict=True):
                 results[index] = reply
         return results
 
-    def _generate(self, prompts: list[str], seed: int) -> list[Reply]:
+    def _generate(self, prompts: list[str], seeds: list[int]) -> list[Reply]:
         torch, settings = self.torch, self.settings
         encoded = self.tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(self.device)
-        sampling = settings.temperature > 0
-        if sampling:
-            torch.manual_seed(seed)
-        with torch.inference_mode():
+        sampling = [RowSeededSampling(seeds, settings.temperature, settings.top_p, self.device)] \
+            if settings.temperature > 0 else []
+        with torch.inference_mode():  # greedy either way: sampling is the Gumbel noise the processor adds
             output = self.model.generate(
-                **encoded, max_new_tokens=settings.max_new_tokens, do_sample=sampling,
-                temperature=settings.temperature if sampling else None, top_p=settings.top_p if sampling else None,
-                top_k=None, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids)
+                **encoded, max_new_tokens=settings.max_new_tokens, do_sample=False, temperature=None, top_p=None,
+                top_k=None, logits_processor=sampling, pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.stop_ids)
         new_tokens = output[:, encoded["input_ids"].shape[1]:].tolist()
         replies = []
         for tokens in new_tokens:
@@ -59,3 +68,25 @@ class HFEngine:
             text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
             replies.append(Reply(text, finished=stop_at is not None, tokens=len(kept)))
         return replies
+
+
+class RowSeededSampling:
+    """A logits processor for greedy `generate`: temperature, top-p (HF's own warper) and Gumbel noise from one
+    generator per row, so the argmax is a sample whose draws depend on the row's seed alone."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str):
+        import torch
+        from transformers import TopPLogitsWarper
+
+        self.torch, self.temperature = torch, temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
+        self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        torch = self.torch
+        scores = scores.float() / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=generator, device=scores.device)
+                               for generator in self.generators])
+        return scores - torch.log(-torch.log(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)))
