@@ -14,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +25,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+# `make test` runs one pytest worker per core (pytest-xdist): each worker's snakemake runs get their share of the
+# cores, and every torch process one thread. Two torch processes of two threads each on two cores spin against
+# each other (OpenMP's busy wait): small ops ran 5x slower that way, and the tiny models gain nothing from a
+# second thread.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+SNAKEMAKE_CORES = max(1, (os.cpu_count() or 2) // WORKERS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
 DATA = Path(__file__).parent / "data"
 # Only a hung run gets here: tests wait on events (a journal line, a checkpoint, a finished shard), so a slow
 # machine just waits longer. It exists so that a hang fails naming the event instead of blocking CI forever.
@@ -53,7 +62,7 @@ def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
     config_path.write_text(yaml.safe_dump(config))
     return [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
             "--configfile", str(config_path), "--workflow-profile", str(REPO / "profiles" / "default"),
-            "--cores", "2", *args]
+            "--cores", str(SNAKEMAKE_CORES), *args]
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -77,12 +86,30 @@ def wait_for_event(event: str, happened: Callable[[], bool], process: subprocess
         time.sleep(0.05)
 
 
+@contextmanager
+def built_once(tmp_path_factory, name: str) -> Iterator[tuple[Path, bool]]:
+    """A folder built once per test run and only read afterwards: yields (folder, built already). Under
+    pytest-xdist (`make test` runs one worker per core) the workers share it: the first builds it while the
+    others wait on its lock. A build that raises leaves it unbuilt."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base temps are siblings
+    folder, marker = root / name, root / f"{name}.built"
+    with FileLock(str(root / f"{name}.lock")):
+        built = marker.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder, built
+        marker.touch()
+
+
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory, produced by the real `target` rule from the GGUF."""
-    workdir = tmp_path_factory.mktemp("target")
-    config = base_config(run="target")
-    run_snakemake(workdir, config, "results/target/target")
+    with built_once(tmp_path_factory, "target") as (workdir, built):
+        if not built:
+            run_snakemake(workdir, base_config(run="target"), "results/target/target")
     path = workdir / "results" / "target" / "target"
     assert json.loads((path / "identity.json").read_text())["source"]["kind"] == "gguf"
     return path

@@ -22,6 +22,7 @@ import pytest
 from eagle3_pipeline.formats import journal
 from tests.conftest import (
     base_config,
+    built_once,
     run_snakemake,
     sharegpt_record,
     snakemake_command,
@@ -88,18 +89,19 @@ class TinyRun(NamedTuple):
 def finished_tiny_run(tmp_path_factory, target_dir) -> TinyRun:
     """The whole pipeline on `tiny_run_config`, run once per session to its end (every prompt set evaluated and
     timed, the report's inputs written). Tests only read it; a test that changes a run works on `copy_run` of it."""
-    workdir = tmp_path_factory.mktemp("finished-tiny-run")
-    config = tiny_run_config(workdir, target_dir)
-    run_snakemake(workdir, config)
-    return TinyRun(workdir, config)
+    with built_once(tmp_path_factory, "finished-tiny-run") as (workdir, built):
+        if not built:
+            run_snakemake(workdir, tiny_run_config(workdir, target_dir))
+    return TinyRun(workdir, base_config(**tiny_run_sections(workdir / "chats.json", target_dir)))
 
 
 @pytest.fixture(scope="session")
 def finished_tiny_run_report(finished_tiny_run, tmp_path_factory) -> Path:
     """`snakemake --report` of `finished_tiny_run`, built once (it writes nothing inside the run)."""
-    report = tmp_path_factory.mktemp("tiny-report") / "report.html"
-    run_snakemake(finished_tiny_run.workdir, finished_tiny_run.config, "--report", str(report))
-    return report
+    with built_once(tmp_path_factory, "tiny-report") as (folder, built):
+        if not built:
+            run_snakemake(finished_tiny_run.workdir, finished_tiny_run.config, "--report", str(folder / "report.html"))
+    return folder / "report.html"
 
 
 def copy_run(run: TinyRun, destination: Path, drop: tuple[str, ...] = ()) -> TinyRun:
