@@ -25,12 +25,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-# `make test` runs one pytest worker per core (pytest-xdist): each worker's snakemake runs get their share of the
-# cores, and every torch process one thread. Two torch processes of two threads each on two cores spin against
-# each other (OpenMP's busy wait): small ops ran 5x slower that way, and the tiny models gain nothing from a
-# second thread.
+# `make test` runs one pytest worker per core (pytest-xdist): then every job and every torch process gets one
+# thread (`--max-threads 1`). Two torch processes of two threads each on two cores spin against each other
+# (OpenMP's busy wait): small ops ran 5x slower that way, and the tiny models gain nothing from a second thread.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-SNAKEMAKE_CORES = max(1, (os.cpu_count() or 2) // WORKERS)
+JOB_THREADS = 1 if WORKERS > 1 else 2  # what a rule asking for two threads gets
 if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = "1"
 DATA = Path(__file__).parent / "data"
@@ -62,7 +61,7 @@ def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
     config_path.write_text(yaml.safe_dump(config))
     return [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
             "--configfile", str(config_path), "--workflow-profile", str(REPO / "profiles" / "default"),
-            "--cores", str(SNAKEMAKE_CORES), *args]
+            "--cores", "2", "--max-threads", str(JOB_THREADS), *args]
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from eagle3_pipeline.formats import conversation_shards, token_shards
-from tests.conftest import run_snakemake
+from tests.conftest import JOB_THREADS, run_snakemake
 from tests.workflow.conftest import copy_run, journal_records, kill_when, start_snakemake
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]  # each test needs the finished tiny run
@@ -86,8 +86,8 @@ def test_the_tiny_run_checks_parity_estimates_each_epoch_and_exports_for_serving
     train_summary = json.loads((results / "train" / "summary.json").read_text())
     timing = json.loads((results / "timing" / "timing.json").read_text())
     # the report's line on the run: the training job's wall time and device
-    assert train_summary["train_seconds"] > 0 and train_summary["device"] == "CPU, 2 threads"
-    assert timing["device_name"] == "CPU, 2 threads"
+    assert train_summary["train_seconds"] > 0 and train_summary["device"] == f"CPU, {JOB_THREADS} threads"
+    assert timing["device_name"] == f"CPU, {JOB_THREADS} threads"
     estimate = train_summary["heldout_estimate"]
     assert [row["epoch"] for row in estimate["by_epoch"]] == [1]  # one epoch, one offline estimate
     heldout = token_shards.read(results / "tokens" / "shard-heldout.zarr")
