@@ -29,7 +29,8 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 # thread (`--max-threads 1`). Two torch processes of two threads each on two cores spin against each other
 # (OpenMP's busy wait): small ops ran 5x slower that way, and the tiny models gain nothing from a second thread.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-JOB_THREADS = 1 if WORKERS > 1 else 2  # what a rule asking for two threads gets
+CORES = 2  # each snakemake run's --cores: the CI box's
+JOB_THREADS = 1 if WORKERS > 1 else CORES  # what a rule asking for CORES threads gets
 if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = "1"
 DATA = Path(__file__).parent / "data"
@@ -61,7 +62,7 @@ def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
     config_path.write_text(yaml.safe_dump(config))
     return [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
             "--configfile", str(config_path), "--workflow-profile", str(REPO / "profiles" / "default"),
-            "--cores", "2", "--max-threads", str(JOB_THREADS), *args]
+            "--cores", str(CORES), "--max-threads", str(JOB_THREADS), *args]
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
