@@ -35,6 +35,7 @@ include: "rules/windows.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/engine_check.smk"
 
 
 rule all:
@@ -44,3 +45,4 @@ rule all:
         SERVING_DIR,
         expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),
         f"{PLOTS}/acceptance_by_position.png",
+        [ENGINE_CHECK] if config["engine_check"]["enabled"] else [],

@@ -40,9 +40,13 @@ class RunLayout:
         self.eval_results = f"{root}/evaluation/{{prompt_set}}.json"
         self.timing_results = f"{root}/timing/timing.json"
         self.report_dir = f"{root}/report"
+        self.engine_check_dir = f"{root}/engine_check"  # <engine>.json
 
     def parity_report(self, backend: str) -> str:
         return f"{self.parity_dir}/{backend}.json"
+
+    def engine_check(self, engine: str) -> str:
+        return f"{self.engine_check_dir}/{engine}.json"
 
     @classmethod
     def of(cls, config: dict) -> RunLayout:

@@ -5,6 +5,7 @@ Errors name the config key, so a bad config fails before any job runs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -157,8 +158,29 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
         for key in ("aux_url", "final_url"):
             if not (extract.get("sglang") or {}).get(key):
                 raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
+    check_engine_check(config, warnings)
     return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def check_engine_check(config: dict[str, Any], warnings: list[str]) -> None:
+    """Draft lengths among the tau pass's (their traces are compared); a missing vLLM said now, not after training."""
+    engine, evaluated = config.get("engine_check") or {}, (config.get("evaluate") or {}).get("draft_lengths") or []
+    if unknown := sorted(set(engine.get("draft_lengths") or []) - set(evaluated)):
+        raise ConfigError(f"config key engine_check.draft_lengths: {unknown} are not among evaluate.draft_lengths "
+                          f"{evaluated} (the check compares with the tau pass's traces)")
+    if engine.get("enabled") and importlib.util.find_spec("vllm") is None:
+        warnings.append("engine_check.enabled: the vllm package is not installed in this environment; the "
+                        "engine_check job needs it (envs/vllm.yaml under --software-deployment-method conda)")
+
+
+def engine_check_sets(config: dict[str, Any], evaluated: list[str]) -> list[str]:
+    """The prompt sets the engine check decodes: engine_check.prompts (names of evaluated sets), else all."""
+    wanted = (config.get("engine_check") or {}).get("prompts")
+    if wanted is not None and (unknown := [name for name in wanted if name not in evaluated]):
+        raise ConfigError(f"config key engine_check.prompts: {unknown} are not prompt sets of evaluate.prompts "
+                          f"(those are {evaluated})")
+    return list(evaluated if wanted is None else wanted)
 
 
 def tree_setting_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:

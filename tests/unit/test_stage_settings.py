@@ -12,6 +12,7 @@ from eagle3_pipeline import workflow_config
 from eagle3_pipeline.settings import from_section, setting
 from eagle3_pipeline.stages import (
     disk_report,
+    engine_check,
     evaluate,
     evaluate_timing,
     export,
@@ -58,6 +59,7 @@ def test_every_stage_builds_its_settings_from_the_embedded_config():
         evaluate_timing.timing_settings(config["evaluate"], trust_remote_code=False),
         from_section(disk_report.Settings, {"compression": config["plan"]["expected_compression"],
                                             "store_dtype": config["extract"]["store_dtype"]}),
+        from_section(engine_check.Settings, config["engine_check"], trust_remote_code=False),
     ]
     for settings in built:
         assert dataclasses.is_dataclass(settings)
@@ -83,7 +85,7 @@ def test_the_timing_pass_times_the_trees_unless_told_not_to():
 def test_stage_settings_have_no_defaults_of_their_own():
     classes = [ingest.Settings, tokenize.Settings, vocab.Settings, target.Settings, parity.Settings,
                extract.Settings, regenerate.Settings, train.TrainSettings, export.Settings, evaluate.Settings,
-               evaluate_timing.Settings, disk_report.Settings]
+               evaluate_timing.Settings, disk_report.Settings, engine_check.Settings]
     for cls in classes:
         with_default = [f.name for f in dataclasses.fields(cls)
                         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]

@@ -73,3 +73,16 @@ def test_a_hub_id_target_of_unknown_hidden_size_fails_the_plan(tmp_path):
         assert any(line.strip().startswith("hidden") for line in planned.stderr.splitlines())
     finally:
         server.shutdown()
+
+
+def test_an_enabled_engine_check_is_planned_after_the_timing_pass_and_warned_without_vllm(tmp_path, target_dir):
+    config = tiny_plan_config(tmp_path, target_dir)
+    config["engine_check"] = {"enabled": True, "draft_lengths": [4]}
+    planned = run_snakemake(tmp_path, config, "-n")
+    assert "rule engine_check:" in planned.stdout and "engine_check.enabled: the vllm package is not installed" \
+        in planned.stderr  # this environment has no vLLM: said before any job runs
+    assert "results/tiny/engine_check/vllm.json" in planned.stdout
+    config["engine_check"]["prompts"] = ["humaneval-package"]
+    refused = run_snakemake(tmp_path, config, "-n", check=False)
+    assert refused.returncode != 0 and "engine_check.prompts: ['humaneval-package'] are not prompt sets" \
+        in refused.stderr

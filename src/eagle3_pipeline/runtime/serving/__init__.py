@@ -1,0 +1,1 @@
+"""Serving engines running this pipeline's export: vLLM's offline engine for the engine check."""
