@@ -137,7 +137,7 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
   local files=()
   for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
-             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation timing report \
+             train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation timing report engine_check \
              serving/drafter/config.json; do
       [ -e "$run/$f" ] && files+=("$run/$f")
     done
@@ -180,12 +180,22 @@ case $stage in
          python3 -m pytest -q -p no:cacheprovider "tests/unit/$module.py" > "logs/gpu-tests/$module.txt" 2>&1
        done) &
     fi
+    # VLLM_SMOKE=1: once the run's target directory exists, vLLM (staged by device-stage-vllm.sh) on it alone,
+    # beside the data stage: a missing wheel shows in the first call, not after training
+    if [ "${VLLM_SMOKE:-0}" = 1 ] && [ ! -e logs/vllm-smoke.txt ]; then
+      mkdir -p logs
+      (while [ ! -e "results/$second_name/target/identity.json" ] && [ $SECONDS -lt $((deadline - 120)) ]; do sleep 5; done
+       timeout $((deadline - SECONDS > 250 ? 240 : deadline - SECONDS - 10)) python3 benchmarks/vllm_smoke.py "results/$second_name/target" > logs/vllm-smoke.txt 2>&1
+       echo "vllm smoke exit $?" >> logs/vllm-smoke.txt) &
+      smoke=$!
+    fi
     snakemake_for "${second[@]}"
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
       "${cmd[@]}" --unlock >/dev/null 2>&1
       "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
     fi
     pipeline "$second_name" "${second[@]}"
+    [ -n "${smoke:-}" ] && { wait "$smoke"; grep -v "Warning\|warn" logs/vllm-smoke.txt | tail -25; }
     # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
     [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
       && bench_decode $((deadline - SECONDS - 20))
