@@ -71,6 +71,7 @@ rule plots:
         config=CONFIG_SNAPSHOT,
         target=TARGET_DIR,
         data_stats=VOCAB_STATS,
+        engine_check=[LAYOUT.engine_check(config["engine_check"]["engine"])] if config["engine_check"]["enabled"] else [],
     output:
         acceptance=report(f"{PLOTS}/acceptance_by_position.png", caption="../report/acceptance.rst",
                           category="Evaluation", labels={"figure": "acceptance by position"}),

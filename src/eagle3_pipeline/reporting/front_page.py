@@ -136,19 +136,34 @@ def disk_line(disk: dict[str, Any]) -> str:
             f"{len(disk['shards'])} stores).</p>")
 
 
-def gaps(timing: dict[str, Any]) -> str:
+def engine_line(check: dict[str, Any]) -> str:
+    """The engine check's verdict: the engine's acceptance length beside the evaluator's, per set and chain."""
+    figures = [f"{name} {method}: {m['engine_acceptance_length']:.3f} vs {m['evaluator_acceptance_length']:.3f} "
+               f"({m['gap']:+.1%}), {m['identical_share']:.0%} of outputs identical to its target alone, "
+               f"{m['speedup_vs_target']:.2f}x its target alone"
+               for name, values in check["sets"].items() for method, m in values["methods"].items()]
+    verdict = '<span class="yes">passed</span>' if check["passed"] else '<span class="no">FAILED</span>'
+    return (f"<p><b>Engine check</b> ({escape(check['engine'])} {escape(check['engine_version'])}, "
+            f"{check['dtype']}, {'CUDA graphs' if check['cuda_graphs'] else 'eager'}): {verdict} - acceptance "
+            f"length in the engine vs this pipeline's evaluator, {escape('; '.join(figures))}.</p>")
+
+
+def gaps(timing: dict[str, Any], engine_check: dict[str, Any] | None) -> str:
     """What the run did not measure, said rather than left out."""
     said = []
     if not timing.get("sets"):
         said.append("<b>Timing pass</b>: none in this run, so no speeds: tau alone does not say whether drafting "
                     "pays for itself on a device.")
-    said.append("<b>Engine check</b>: none in this run: tau and speeds come from this pipeline's own decoder "
-                "(lossless against the target in fp32), not from inside SGLang or vLLM.")
+    if engine_check is None:
+        said.append("<b>Engine check</b>: none in this run: tau and speeds come from this pipeline's own decoder "
+                    "(lossless against the target in fp32), not from inside SGLang or vLLM.")
     return "\n".join(f'<p class="missing">{line}</p>' for line in said)
 
 
 def front_page(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any], facts: RunFacts,
-               disk: dict[str, Any]) -> str:
+               disk: dict[str, Any], engine_check: dict[str, Any] | None = None) -> str:
     lines = headlines(evaluations, timing)
+    engine = [engine_line(engine_check)] if engine_check else []
     return "\n".join([STYLE, '<div class="e3-front">', verdicts(lines), headline_table(lines),
-                      serving(lines, facts), run_line(facts), disk_line(disk), gaps(timing), "</div>"])
+                      serving(lines, facts), run_line(facts), disk_line(disk), *engine, gaps(timing, engine_check),
+                      "</div>"])

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from eagle3_pipeline import logs  # noqa: E402
-from eagle3_pipeline.formats import metrics, reports  # noqa: E402
+from eagle3_pipeline.formats import engine_check, metrics, reports  # noqa: E402
 from eagle3_pipeline.formats.evaluation import (  # noqa: E402
     read_evaluations,
     read_results,
@@ -44,6 +44,7 @@ class Inputs:
     config_snapshot: Path
     target: Path
     data_stats: Path  # vocab/data_stats.json: the training shards' sequences and tokens
+    engine_check: Path | None = None  # engine_check/<engine>.json where the run has one
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def run(inputs: Inputs, outputs: Outputs, settings: Settings) -> None:
     disk_figure(disk, outputs.disk)
     reports.write(outputs.provenance, provenance(settings.config, inputs.config_snapshot, inputs.target))
     facts = run_facts(settings.config, train_summary, reports.read(inputs.data_stats), timing, evaluations)
-    reports.write_html(outputs.front_page, front_page(evaluations, timing, facts, disk))
+    checked = engine_check.read(inputs.engine_check) if inputs.engine_check else None
+    reports.write_html(outputs.front_page, front_page(evaluations, timing, facts, disk, checked))
 
 
 def run_from_snakemake(snakemake: Any) -> None:
@@ -177,7 +179,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     given = snakemake.input
     inputs = Inputs([Path(p) for p in given.evaluations], Path(given.timing), Path(given.metrics),
                     Path(given.summary), Path(given.disk), Path(given.config), Path(given.target),
-                    Path(given.data_stats))
+                    Path(given.data_stats), next(map(Path, given.engine_check), None))
     made = snakemake.output
     outputs = Outputs(Path(made.acceptance), Path(made.tau), Path(made.training), Path(made.disk),
                       Path(made.provenance), Path(made.front_page))
