@@ -1,7 +1,9 @@
-"""Regeneration throughput, rolling pool vs fixed chunks, in one run (HF engine; CPU or GPU).
+"""Regeneration throughput, rolling pool vs fixed chunks, in one run (HF engine; CPU or GPU); with
+--temperature T, greedy vs sampled replies (T, --samples N per conversation) instead, both in rolling pools.
 
     python benchmarks/bench_regenerate.py --target results/<run>/target \\
         --conversations results/<run>/conversations/shard-00000.jsonl [--count 32 --batch 4 --max-new 24]
+        [--temperature 0.8 --samples 2]
 
 Both schedules regenerate the same conversations with the same settings. "chunks" refills its pool of
 conversations only when all have finished (a chunk waits for its longest conversation); "rolling" refills
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max-new", type=int, default=24)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--temperature", type=float, help="compare greedy with sampled replies at this temperature")
+    parser.add_argument("--samples", type=int, default=1, help="replies per conversation when sampling")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
@@ -62,22 +66,29 @@ def main() -> None:
     engine.reply([chats[0]["messages"][:1]], [0])  # warm-up
     print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch}, "
           f"up to {args.max_new} new tokens, {engine.device}")
+    arms = [("chunks", settings, False), ("rolling", settings, True)]
+    if args.temperature is not None:
+        sampled = dataclasses.replace(settings, temperature=args.temperature, samples=args.samples)
+        arms = [("greedy", settings, True), (f"T={args.temperature} x{args.samples}", sampled, True)]
     rates = {}
-    for name, rolling in (("chunks", False), ("rolling", True)):
+    for name, arm, rolling in arms:
         counting = CountingEngine(engine)
+        engine.settings = arm
         with tempfile.TemporaryDirectory() as scratch:
             start = time.perf_counter()
-            _, counts = regenerate.regenerate_conversations(chats, counting, settings, count_tokens,
-                                                            Path(scratch) / "progress.jsonl", name, log,
-                                                            pool_size=4 * args.batch, rolling=rolling)
+            kept, counts = regenerate.regenerate_conversations(chats, counting, arm, count_tokens,
+                                                               Path(scratch) / "progress.jsonl", name, log,
+                                                               pool_size=4 * args.batch, rolling=rolling)
             elapsed = time.perf_counter() - start
         replies = counts["replies"]
-        rates[name] = replies / elapsed
-        print(f"  {name:<8} {elapsed:7.1f} s  {replies / elapsed:6.2f} replies/s  rounds {counting.rounds:3d}  "
-              f"histories per round {counting.histories / max(counting.rounds, 1):5.1f}  generate calls "
-              f"{counting.calls:3d} ({replies / max(counting.calls, 1):.2f} histories each)")
-    print(f"  rolling / chunks = {rates['rolling'] / rates['chunks']:.2f}x")
-
+        tokens = sum(count_tokens([m]) for c in kept for m in c["messages"] if m["role"] == "assistant")
+        rates[name] = tokens / elapsed
+        print(f"  {name:<10} {elapsed:7.1f} s  {replies / elapsed:6.2f} replies/s  {tokens / elapsed:8.1f} reply "
+              f"tokens/s  rounds {counting.rounds:3d}  histories per round "
+              f"{counting.histories / max(counting.rounds, 1):5.1f}  generate calls {counting.calls:3d} "
+              f"({replies / max(counting.calls, 1):.2f} histories each)")
+    (base, _, _), (other, _, _) = arms
+    print(f"  {other} / {base} = {rates[other] / rates[base]:.2f}x (reply tokens/s)")
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,10 @@
 #             bench_decode.py --serving in a later session. GPU_TESTS=1: the CUDA-only test modules, each in a
 #             pytest process of its own (a CUDA fault in one would break the other's context), beside the data
 #             stage of the first call; their output in the bundle under logs/gpu-tests/.
+#             VLLM_SMOKE=1: vLLM (benchmarks/device-stage-vllm.sh, /opt/e3/vllm on PYTHONPATH) on the run's target
+#             beside the data stage (benchmarks/vllm_smoke.py), its output in logs/vllm-smoke.txt.
+#             BENCH_REGEN=1: bench_regenerate.py greedy vs sampled ($REGEN_ARGS) beside the data stage,
+#             into logs/bench-regenerate.txt.
 #             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
 #             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed). Checked on
 #             the H200: a setsid process ran on across two calls 6 s apart.
@@ -189,6 +193,19 @@ case $stage in
        echo "vllm smoke exit $?" >> logs/vllm-smoke.txt) &
       smoke=$!
     fi
+    # BENCH_REGEN=1: greedy vs sampled regeneration throughput (bench_regenerate.py, $REGEN_ARGS) on the run's
+    # first conversation shard, beside the data stage (both arms under the same load)
+    if [ "${BENCH_REGEN:-0}" = 1 ] && [ ! -e logs/bench-regenerate.txt ]; then
+      mkdir -p logs
+      (shard=results/$second_name/conversations/shard-00000.jsonl
+       while { [ ! -e "$shard" ] || [ ! -e "results/$second_name/target/identity.json" ]; } \
+             && [ $SECONDS -lt $((deadline - 200)) ]; do sleep 5; done
+       timeout $((deadline - SECONDS > 310 ? 300 : deadline - SECONDS - 10)) python3 benchmarks/bench_regenerate.py \
+         --target "results/$second_name/target" --conversations "$shard" \
+         ${REGEN_ARGS:---count 256 --batch 64 --max-new 256 --temperature 0.8 --samples 2} \
+         > logs/bench-regenerate.txt 2>&1) &
+      regen=$!
+    fi
     snakemake_for "${second[@]}"
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
       "${cmd[@]}" --unlock >/dev/null 2>&1
@@ -196,6 +213,7 @@ case $stage in
     fi
     pipeline "$second_name" "${second[@]}"
     [ -n "${smoke:-}" ] && { wait "$smoke"; grep -v "Warning\|warn" logs/vllm-smoke.txt | tail -25; }
+    [ -n "${regen:-}" ] && { wait "$regen"; grep -v "Warning\|warn\|Loading" logs/bench-regenerate.txt | tail -6; }
     # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
     [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
       && bench_decode $((deadline - SECONDS - 20))
