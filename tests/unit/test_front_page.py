@@ -146,13 +146,13 @@ def test_the_verdict_says_when_decoding_without_a_drafter_or_prompt_lookup_is_fa
 
 def test_an_engine_check_is_said_with_its_verdict_instead_of_its_absence():
     figures = {"engine_acceptance_length": 1.747, "evaluator_acceptance_length": 1.738, "gap": 0.0052,
-               "identical_share": 1.0, "speedup_vs_target": 1.91}
+               "judged_on": "64 same-text prompts", "identical_share": 1.0, "speedup_vs_target": 1.91}
     check = {"engine": "vllm", "engine_version": "0.26.0", "dtype": "bfloat16", "cuda_graphs": True, "passed": True,
              "sets": {"mtbench-package": {"methods": {"eagle3@k=4": figures}}}}
     paragraphs = PageText(front_page.front_page(evaluations(), TIMING, FACTS, DISK, check)).paragraphs
     assert ("Engine check (vllm 0.26.0, bfloat16, CUDA graphs): passed - acceptance length in the engine vs this "
-            "pipeline's evaluator, mtbench-package eagle3@k=4: 1.747 vs 1.738 (+0.5%), 100% of outputs identical "
-            "to its target alone, 1.91x its target alone.") in paragraphs
+            "pipeline's evaluator, mtbench-package eagle3@k=4: 1.747 vs 1.738 (+0.5% on 64 same-text prompts), 100% "
+            "of outputs identical to its target alone, 1.91x its target alone.") in paragraphs
     assert not any(p.startswith("Engine check: none") for p in paragraphs)
     failed = PageText(front_page.front_page(evaluations(), TIMING, FACTS, DISK, check | {"passed": False}))
     assert any("FAILED" in p for p in failed.paragraphs)

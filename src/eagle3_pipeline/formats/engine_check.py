@@ -3,14 +3,18 @@
 JSON (indent 2): `engine`, `engine_version`, `dtype`, `cuda_graphs`, `tolerance`, `passed`, `failures` (one sentence
 each), `start_seconds` {engine: load + compile + capture seconds}, `serve_command`, and `sets` {prompt set:
 {`prompts`, `target` {tokens_per_s, output_tokens}, `target_matches_evaluator_share`, `methods` {"eagle3@k=4": {
-`engine_acceptance_length`, `evaluator_acceptance_length`, `evaluator_tau`, `gap`, `passed`,
-`engine_acceptance_by_position`, `evaluator_acceptance_by_position`, `drafts`, `draft_tokens`, `accepted_tokens`,
-`tokens_per_s`, `speedup_vs_target`, `identical_share`, `first_divergence` {prompt id: token index}}}}}.
-Acceptance length is vLLM's: 1 + accepted drafts per verify step, computed the same way from the evaluator's traces.
+`engine_acceptance_length`, `evaluator_acceptance_length`, `gap`, `passed`, `judged_on` (the prompts the verdict
+rests on: those whose text both decoders agree on, or all), `same_text_prompts`, `engine_acceptance_length_all`,
+`evaluator_acceptance_length_all`, `evaluator_tau`, `engine_acceptance_by_position`,
+`evaluator_acceptance_by_position`, `drafts`, `draft_tokens`, `accepted_tokens`, `tokens_per_s`,
+`speedup_vs_target`, `identical_share`, `first_divergence` {prompt id: token index}}}}}.
+Acceptance length is vLLM's: 1 + accepted drafts per verify step, computed the same way from the evaluator's traces
+(engine_comparison.py).
 
 One engine's run (`<output>.parts/<engine>-<fingerprint>.json`, runtime/serving/vllm_offline.py): `vllm_version`,
 `draft_length` (null: the target alone), `start_seconds`, `sets` {prompt set: {`seconds`, `output_tokens`, `tokens`
-{prompt id: token ids}, `counters` {drafts, draft_tokens, accepted_tokens, accepted_per_position}}}.
+{prompt id: token ids}, `counters` {drafts, draft_tokens, accepted_tokens, accepted_per_position}, `per_prompt`
+{prompt id: counters}}}.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def disk_line(disk: dict[str, Any]) -> str:
 def engine_line(check: dict[str, Any]) -> str:
     """The engine check's verdict: the engine's acceptance length beside the evaluator's, per set and chain."""
     figures = [f"{name} {method}: {m['engine_acceptance_length']:.3f} vs {m['evaluator_acceptance_length']:.3f} "
-               f"({m['gap']:+.1%}), {m['identical_share']:.0%} of outputs identical to its target alone, "
+               f"({m['gap']:+.1%} on {m['judged_on']}), {m['identical_share']:.0%} of outputs identical to its "
+               "target alone, "
                f"{m['speedup_vs_target']:.2f}x its target alone"
                for name, values in check["sets"].items() for method, m in values["methods"].items()]
     verdict = '<span class="yes">passed</span>' if check["passed"] else '<span class="no">FAILED</span>'

@@ -25,18 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import logs
+from eagle3_pipeline import engine_comparison, logs
 from eagle3_pipeline.formats import engine_check, evaluation, jobs
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.prompts import load_prompts
-from eagle3_pipeline.runtime.speculative import acceptance_by_position, encode_prompts, first_divergence
-from eagle3_pipeline.runtime.traces import Trace
+from eagle3_pipeline.runtime.speculative import encode_prompts
 from eagle3_pipeline.settings import from_section, setting
-
-LIKELY_CAUSES = ("the aux layer ids the engine read (eagle_aux_hidden_state_layer_ids in the drafter's config.json) "
-                 "are not the layers it was trained on; d2t offsets (draft id + d2t[id] must be the target id); "
-                 "positions (the drafter's position ids shifted by one); norms (hidden_norm and input_layernorm "
-                 "swapped, or the final norm applied twice)")
 
 
 @dataclass(frozen=True)
@@ -97,83 +91,6 @@ def run_engine(job: dict[str, Any], parts: Path, name: str, fingerprint: str, lo
     return engine_check.read_engine_run(result_path)
 
 
-def evaluator_figures(traces: list[Trace], k: int) -> dict[str, Any]:
-    """The evaluator's traces in vLLM's arithmetic: acceptance length = 1 + accepted drafts per verify step."""
-    steps = sum(len(t.accepted) for t in traces)
-    tokens = sum(len(t.tokens) for t in traces)
-    return {"evaluator_acceptance_length": 1 + sum(sum(t.accepted) for t in traces) / max(steps, 1),
-            "evaluator_tau": tokens / max(sum(t.target_forwards for t in traces), 1),
-            "evaluator_acceptance_by_position": acceptance_by_position(traces, k)}
-
-
-def engine_figures(counters: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's counters as acceptance length and acceptance by position (P(draft i accepted | the drafts before it
-    were), as the evaluator reports it; vLLM's per-position counters count every accepted draft at i)."""
-    drafts = counters["drafts"]
-    reached = [drafts, *counters["accepted_per_position"][:-1]]
-    return {"engine_acceptance_length": 1 + counters["accepted_tokens"] / max(drafts, 1),
-            "engine_acceptance_by_position": [a / r if r else 0.0 for a, r in
-                                              zip(counters["accepted_per_position"], reached, strict=True)],
-            "drafts": drafts, "draft_tokens": counters["draft_tokens"],
-            "accepted_tokens": counters["accepted_tokens"]}
-
-
-def compare_set(name: str, prompt_ids: list[str], engines: dict[str, dict[str, Any]],
-                evaluated: dict[str, Any], tolerance: float) -> tuple[dict[str, Any], list[str]]:
-    """One prompt set: every draft length's engine figures beside the evaluator's, and the failures found."""
-    traces: dict[str, dict[str, Trace]] = {}
-    for record in evaluated["traces"]:
-        record = {key: value for key, value in record.items() if key != "tau"}
-        traces.setdefault(record["method"], {})[record["prompt_id"]] = Trace(**record)
-    target = engines["target"]["sets"][name]
-    target_rate = target["output_tokens"] / max(target["seconds"], 1e-9)
-    ours = traces["target"]
-    matches = [target["tokens"][pid] == ours[pid].tokens for pid in prompt_ids if pid in ours]
-    result: dict[str, Any] = {"prompts": len(prompt_ids),
-                              "target": {"tokens_per_s": target_rate, "output_tokens": target["output_tokens"]},
-                              "target_matches_evaluator_share": sum(matches) / max(len(matches), 1), "methods": {}}
-    failures = []
-    for method, engine in engines.items():
-        if engine["draft_length"] is None:
-            continue
-        k, run = engine["draft_length"], engine["sets"][name]
-        if method not in traces:
-            failures.append(f"{name}: the tau pass has no {method} traces to compare with")
-            continue
-        missing = [pid for pid in prompt_ids if pid not in traces[method]]
-        if missing:
-            failures.append(f"{name}: the tau pass did not decode prompts {missing[:5]} with {method}")
-            continue
-        figures = engine_figures(run["counters"]) | evaluator_figures([traces[method][p] for p in prompt_ids], k)
-        gap = figures["engine_acceptance_length"] / figures["evaluator_acceptance_length"] - 1
-        diverged = {pid: at for pid in prompt_ids if (at := first_divergence(
-            Trace(pid, method, run["tokens"][pid]), Trace(pid, "target", target["tokens"][pid]))) is not None}
-        rate = run["output_tokens"] / max(run["seconds"], 1e-9)
-        figures |= {"gap": gap, "passed": abs(gap) <= tolerance,
-                    "identical_share": 1 - len(diverged) / max(len(prompt_ids), 1), "first_divergence": diverged,
-                    "tokens_per_s": rate, "speedup_vs_target": rate / max(target_rate, 1e-9)}
-        result["methods"][method] = figures
-        if not figures["passed"]:
-            failures.append(f"{name}, {method}: engine acceptance length {figures['engine_acceptance_length']:.3f} "
-                            f"vs the evaluator's {figures['evaluator_acceptance_length']:.3f} ({gap:+.1%}, more than "
-                            f"{tolerance:.0%}); likely causes: {LIKELY_CAUSES}")
-    return result, failures
-
-
-def compare(prompt_ids: dict[str, list[str]], engines: dict[str, dict[str, Any]],
-            evaluations: dict[str, dict[str, Any]], settings: Settings) -> dict[str, Any]:
-    """The check's result (formats/engine_check.py) from every engine's run and the tau pass's results."""
-    sets, failures = {}, []
-    for name, ids in prompt_ids.items():
-        sets[name], found = compare_set(name, ids, engines, evaluations[name], settings.tolerance)
-        failures += found
-    versions = {engine.get("vllm_version") for engine in engines.values()}
-    return {"engine": settings.engine, "engine_version": ", ".join(sorted(filter(None, versions))),
-            "dtype": settings.dtype, "cuda_graphs": settings.cuda_graphs, "tolerance": settings.tolerance,
-            "passed": not failures, "failures": failures,
-            "start_seconds": {name: engine["start_seconds"] for name, engine in engines.items()}, "sets": sets}
-
-
 def serve_command(target_dir: Path, serving_dir: Path, k: int) -> str:
     """The `vllm serve` line that serves what the check ran (the README's serving section shows it)."""
     speculative = json.dumps({"method": "eagle3", "model": str(serving_dir), "num_speculative_tokens": k})
@@ -185,7 +102,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     for name, values in result["sets"].items():
         for method, figures in values["methods"].items():
             lines.append(f"{name} {method}: engine {figures['engine_acceptance_length']:.3f} vs evaluator "
-                         f"{figures['evaluator_acceptance_length']:.3f} ({figures['gap']:+.1%}), outputs identical "
+                         f"{figures['evaluator_acceptance_length']:.3f} ({figures['gap']:+.1%}) on "
+                         f"{figures['judged_on']}; on all prompts {figures['engine_acceptance_length_all']:.3f} vs "
+                         f"{figures['evaluator_acceptance_length_all']:.3f}; outputs identical "
                          f"to the engine's target-only {figures['identical_share']:.0%}, "
                          f"{figures['tokens_per_s']:.0f} tokens/s = {figures['speedup_vs_target']:.2f}x the target "
                          f"alone ({values['target']['tokens_per_s']:.0f} tokens/s)")
@@ -233,7 +152,8 @@ def run(inputs: Inputs, output: Path, settings: Settings, evaluated_with: Evalua
         engines[engine.name] = run_engine(one, parts, engine.name, job_fingerprint(inputs.target_dir,
                                                                                    inputs.serving_dir, one), log)
     prompt_ids = {name: [pid for pid, _ in prompts] for name, prompts in encoded.items()}
-    result = compare(prompt_ids, engines, evaluations, settings)
+    result = {"engine": settings.engine, "dtype": settings.dtype, "cuda_graphs": settings.cuda_graphs} | \
+        engine_comparison.compare(prompt_ids, engines, evaluations, settings.tolerance)
     result["serve_command"] = serve_command(inputs.target_dir, inputs.serving_dir,
                                             max(settings.draft_lengths or evaluated_with.draft_lengths))
     for line in summary_lines(result):

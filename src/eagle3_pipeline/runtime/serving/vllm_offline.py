@@ -83,17 +83,28 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     llm.generate([TokensPrompt(prompt_token_ids=first["ids"])], greedy, use_tqdm=False)  # warm-up: lazy set-up
     results = {}
     for name, prompts in job["sets"].items():
-        before = counters(llm.get_metrics())
-        began = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts], greedy, use_tqdm=False)
-        seconds = time.perf_counter() - began
-        tokens = {p["prompt_id"]: list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)}
-        results[name] = {"seconds": seconds, "tokens": tokens, "output_tokens": sum(map(len, tokens.values())),
-                         "counters": increase(counters(llm.get_metrics()), before)}
-        print(f"{name}: {len(prompts)} prompts, {results[name]['output_tokens']} tokens in {seconds:.2f} s",
-              flush=True)
+        results[name] = decode_set(llm, prompts, greedy, TokensPrompt)
+        print(f"{name}: {len(prompts)} prompts, {results[name]['output_tokens']} tokens in "
+              f"{results[name]['seconds']:.2f} s", flush=True)
     return {"vllm_version": vllm.__version__, "draft_length": job["draft_length"],
             "start_seconds": start_seconds, "sets": results}
+
+
+def decode_set(llm: Any, prompts: list[dict[str, Any]], greedy: Any, tokens_prompt: Any) -> dict[str, Any]:
+    """One prompt set, a prompt per call (batch 1): its outputs, the generate calls' seconds, and the spec-decode
+    counters' increase for the set and for each prompt (the check compares prompt by prompt where texts agree)."""
+    seconds, tokens, per_prompt = 0.0, {}, {}
+    start = before = counters(llm.get_metrics())
+    for prompt in prompts:
+        began = time.perf_counter()
+        (output,) = llm.generate([tokens_prompt(prompt_token_ids=prompt["ids"])], greedy, use_tqdm=False)
+        seconds += time.perf_counter() - began
+        tokens[prompt["prompt_id"]] = list(output.outputs[0].token_ids)
+        after = counters(llm.get_metrics())
+        per_prompt[prompt["prompt_id"]] = increase(after, before)
+        before = after
+    return {"seconds": seconds, "tokens": tokens, "output_tokens": sum(map(len, tokens.values())),
+            "counters": increase(before, start), "per_prompt": per_prompt}
 
 
 def main(argv: list[str]) -> None:
