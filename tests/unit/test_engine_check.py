@@ -4,6 +4,7 @@ settings and its config checks (vLLM itself runs on the GPU: benchmarks/device_r
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -202,3 +203,16 @@ def test_with_few_same_text_prompts_the_verdict_rests_on_every_prompt(monkeypatc
     figures = same_text_case(engine_on_different_text=4)["sets"]["mtbench"]["methods"]["eagle3@k=4"]
     assert figures["judged_on"] == "all 13 prompts (only 12 same-text prompts)"
     assert figures["engine_acceptance_length"] == figures["engine_acceptance_length_all"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_engine_process_fails_naming_the_package(tmp_path):
+    import logging
+
+    job = {"target_dir": str(tmp_path), "serving_dir": str(tmp_path), "dtype": "bfloat16", "cuda_graphs": True,
+           "gpu_memory_utilization": 0.5, "max_model_len": 64, "max_new_tokens": 4, "trust_remote_code": False,
+           "draft_length": 4, "sets": {"s": [{"prompt_id": "0", "ids": [1, 2]}]}}
+    (tmp_path / "target-0.json").write_text("{}")  # another fingerprint's result: dropped
+    with pytest.raises(Exception, match="engine_check needs the vllm package") as raised:
+        engine_check.run_engine(job, tmp_path, "target", "1", logging.getLogger("test"))
+    assert "failed with exit 1" in str(raised.value) and not (tmp_path / "target-0.json").exists()

@@ -71,21 +71,27 @@ def job_fingerprint(target_dir: Path, serving_dir: Path, job: dict[str, Any]) ->
 
 
 def run_engine(job: dict[str, Any], parts: Path, name: str, fingerprint: str, log: Any) -> dict[str, Any]:
-    """The engine's result from `parts/` when an earlier run finished it, else from a fresh process."""
-    result_path = parts / f"{name.replace('@', '-').replace('=', '')}-{fingerprint}.json"
+    """The engine's result from `parts/` when an earlier run finished it, else from a fresh process whose output
+    goes to the log as it comes (vLLM's start, then a line per prompt set)."""
+    stem = name.replace("@", "-").replace("=", "")
+    result_path = parts / f"{stem}-{fingerprint}.json"
     if result_path.exists():
         log.info("%s: finished by an earlier run (%s)", name, result_path)
         return engine_check.read_engine_run(result_path)
-    job_path = result_path.with_suffix(".job.json")
+    for stale in parts.glob(f"{stem}-*.json"):  # another drafter's, target's or job's
+        stale.unlink()
+    job_path = parts / f"{stem}-{fingerprint}.job"
     jobs.write(job_path, json.dumps(job))
     log.info("%s: starting vLLM (%s)", name, "CUDA graphs" if job["cuda_graphs"] else "eager")
     command = [sys.executable, "-m", "eagle3_pipeline.runtime.serving.vllm_offline", str(job_path), str(result_path)]
-    process = subprocess.run(command, capture_output=True, text=True)
-    for line in (process.stdout + process.stderr).splitlines():
-        log.info("[%s] %s", name, line)
+    last = "no output"
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout or ():
+            if line.strip():
+                last = line.strip()
+                log.info("[%s] %s", name, last)
     if process.returncode != 0:
-        last = (process.stderr or process.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise logs.ClearError(f"engine_check: vLLM ({name}) failed with exit {process.returncode}: {last[0]} "
+        raise logs.ClearError(f"engine_check: vLLM ({name}) failed with exit {process.returncode}: {last} "
                               "(its whole output is in this job's log; finished engines are kept: rerun to resume)")
     job_path.unlink()
     return engine_check.read_engine_run(result_path)
@@ -176,12 +182,13 @@ def run_from_snakemake(snakemake: Any) -> None:
                     dict(zip(sets, map(Path, snakemake.input.evaluations), strict=True)))
     output = Path(snakemake.output[0])
     result = run(inputs, output, settings, evaluated_with, log)
+    kept = output.with_name(output.stem + ".failed.json")  # Snakemake removes a failed job's output; this stays
     if result["passed"] or not settings.fail_on_gap:
         for failure in result["failures"]:
             log.warning("engine check: %s", failure)
+        kept.unlink(missing_ok=True)  # an earlier failure's figures, now superseded
         engine_check.write(output, result)
         log.info("engine check %s: %s", "passed" if result["passed"] else "FAILED (fail_on_gap: false)", output)
         return
-    kept = output.with_name(output.stem + ".failed.json")  # Snakemake removes a failed job's output; this stays
     engine_check.write(kept, result)
     raise logs.ClearError("engine check failed (figures in " + str(kept) + "):\n  " + "\n  ".join(result["failures"]))
