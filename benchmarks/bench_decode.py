@@ -35,9 +35,10 @@ from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
+from eagle3_pipeline.runtime.methods import TreeSetting
 from eagle3_pipeline.runtime.speculative import synchronize
 from eagle3_pipeline.runtime.target import loading
-from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting
+from eagle3_pipeline.runtime.tree import TreeDrafter
 from eagle3_pipeline.stages import evaluate_timing, target
 
 
@@ -124,12 +125,18 @@ def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
     """Kernel time of 32 target-only tokens (the runtime's loops) against their wall time, and the costliest
     kernels."""
     from eagle3_pipeline.runtime.pipelined import greedy_on_device
-    from eagle3_pipeline.runtime.speculative import encode_prompts, greedy
+    from eagle3_pipeline.runtime.proposers import TargetAlone
+    from eagle3_pipeline.runtime.speculative import decode, encode_prompts
 
     (pid, ids), = encode_prompts(tokenizer, [prompt])
-    decode = greedy_on_device if decoder.device_loops else greedy
-    decode(decoder, ids, 32, set(), pid)  # warm
-    profiled(lambda: decode(decoder, ids, 32, set(), pid), 32, "target-only token (prefill included)")
+
+    def greedy():
+        if decoder.device_loops:
+            return greedy_on_device(decoder, ids, 32, set(), pid)
+        return decode(decoder, TargetAlone(), ids, 32, set(), pid, "target")
+
+    greedy()  # warm
+    profiled(greedy, 32, "target-only token (prefill included)")
 
 
 def compare_trees(decoder: runtime.TargetRuntime, tokenizer, prompt, drafter: Drafter, log) -> None:

@@ -10,7 +10,8 @@ import torch
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, prompt_lookup, summarise, timing_summary
+from eagle3_pipeline.runtime.proposers import EagleChain, PromptLookup, TargetAlone
+from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, summarise, timing_summary
 from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import evaluate, evaluate_timing
@@ -40,10 +41,10 @@ def test_worker_processes_take_each_prompt_exactly_once(tmp_path):
 
 
 def test_prompt_lookup_copies_what_followed_the_last_match():
-    propose = prompt_lookup(max_ngram=3)
+    propose = PromptLookup(3, max_ngram=3)
     context = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
-    assert propose(context, torch.zeros(0), 3) == [8, 9, 1]
-    assert propose([1, 2, 3], torch.zeros(0), 3) == []
+    assert propose.draft(context, torch.zeros(0)).tokens == [8, 9, 1]
+    assert propose.draft([1, 2, 3], torch.zeros(0)).tokens == []
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])
@@ -53,16 +54,15 @@ def test_every_method_is_lossless(trained_tiny, k):
 
     prompts = [HiddenStore(store).sequence(j)["input_ids"][:12].tolist() for j in range(4)]
     untrained = drafting.untrained_like(drafter)
-    proposers = {"eagle3": drafting.DrafterProposer(drafter), "untrained": drafting.DrafterProposer(untrained),
-                 "prompt-lookup": prompt_lookup()}
+    proposers = {"eagle3": EagleChain(drafting.DrafterProposer(drafter), k),
+                 "untrained": EagleChain(drafting.DrafterProposer(untrained), k), "prompt-lookup": PromptLookup(k)}
     taus = {}
     for name, propose in proposers.items():
         traces = []
         for i, ids in enumerate(prompts):
-            reference = speculative.greedy(target, ids, 40, set(), str(i))
-            if isinstance(propose, drafting.DrafterProposer):
-                propose.reset()
-            trace = speculative.speculative(target, propose, ids, k, 40, set(), str(i), name)
+            reference = speculative.decode(target, TargetAlone(), ids, 40, set(), str(i), "target")
+            propose.reset()
+            trace = speculative.decode(target, propose, ids, 40, set(), str(i), name)
             speculative.check_lossless(trace, reference)
             assert len(trace.tokens) == 40
             traces.append(trace)
@@ -290,14 +290,15 @@ def test_static_cache_decoding_equals_eager_greedy_on_smollm2(target_dir, tmp_pa
                                                          "of a quiet forest, and tell how it finds its way home."}]),
                Prompt("short", [{"role": "user", "content": "Hi"}])]  # the reused cache is reset
     for pid, ids in speculative.encode_prompts(tokenizer, prompts):
-        reference = speculative.greedy(eager, ids, 16, set(), pid)
-        assert speculative.greedy(static, ids, 16, set(), pid).tokens == reference.tokens
+        reference = speculative.decode(eager, TargetAlone(), ids, 16, set(), pid, "target")
+        assert speculative.decode(static, TargetAlone(), ids, 16, set(), pid, "target").tokens == reference.tokens
         # speculative steps: 1..k+1 tokens padded to k+1, rejected rows cropped
         static_drafter = drafting.DrafterProposer(drafter, static=True)
         static_drafter.reset(static.cache_size(len(ids) + 16))
-        for name, propose in (("prompt-lookup", prompt_lookup()), ("eagle3", drafting.DrafterProposer(drafter)),
-                              ("eagle3-static", static_drafter)):
-            trace = speculative.speculative(static, propose, ids, 3, 16, set(), pid, name)
+        for name, propose in (("prompt-lookup", PromptLookup(3)),
+                              ("eagle3", EagleChain(drafting.DrafterProposer(drafter), 3)),
+                              ("eagle3-static", EagleChain(static_drafter, 3))):
+            trace = speculative.decode(static, propose, ids, 16, set(), pid, name)
             speculative.check_lossless(trace, reference)
         _, eager_aux = eager.forward(ids, eager.new_cache(len(ids)))
         _, static_aux = static.forward(ids, static.new_cache(len(ids)))

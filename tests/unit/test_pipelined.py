@@ -11,6 +11,8 @@ import torch
 from eagle3_pipeline.formats.hidden_store import HiddenStore
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.methods import Method
+from eagle3_pipeline.runtime.proposers import EagleChain
 from eagle3_pipeline.runtime.speculative import decode_prompt
 
 
@@ -22,7 +24,7 @@ def both_loops(runtime: TargetRuntime, drafter, ids: list[int], k: int, max_new:
     for device_loops in (False, True):
         runtime.device_loops = device_loops
         proposer = DrafterProposer(drafter, static=True, compiled=runtime.compiled, log=logging.getLogger("test"))
-        methods = {f"eagle3@k={k}": (proposer, k)}
+        methods = {Method("eagle3", k): EagleChain(proposer, k)}
         runs.append(decode_prompt(runtime, methods, "p", ids, max_new, eos, strict=True))  # strict: lossless
     return runs[0], runs[1], proposer
 

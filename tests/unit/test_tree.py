@@ -13,8 +13,10 @@ from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.methods import Method, TreeSetting
+from eagle3_pipeline.runtime.proposers import Draft, EagleChain, TargetAlone
 from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
-from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, sglang_flags, tree_speculative
+from eagle3_pipeline.runtime.tree import TreeDrafter
 from eagle3_pipeline.runtime.tree_graph import keep_best
 from tests.unit.conftest import tiny_llama
 
@@ -23,12 +25,18 @@ def test_settings_carry_sglang_flags_and_names_that_parse_back():
     setting = TreeSetting(5, 4, 8)
     assert setting.method() == "eagle3-tree(steps=5,topk=4,tokens=8)"
     assert TreeSetting.from_method(setting.method()) == setting
-    assert sglang_flags(setting.method()) == ("--speculative-num-steps 5 --speculative-eagle-topk 4 "
-                                              "--speculative-num-draft-tokens 8")
+    assert Method.parse(setting.method()) == Method("eagle3", 5, setting)
+    assert Method.parse(setting.method()).sglang_flags == ("--speculative-num-steps 5 --speculative-eagle-topk 4 "
+                                                           "--speculative-num-draft-tokens 8")
     # a chain of k drafts is SGLang's topk-1 tree of depth k verifying k + 1 tokens
-    assert sglang_flags("eagle3@k=4") == TreeSetting(4, 1, 5).sglang_flags
-    assert sglang_flags("prompt-lookup@k=4") == sglang_flags("eagle3-untrained@k=4") == ""
+    assert Method.parse("eagle3@k=4").sglang_flags == TreeSetting(4, 1, 5).sglang_flags
+    assert Method.parse("prompt-lookup@k=4").sglang_flags == Method.parse("eagle3-untrained@k=4").sglang_flags == ""
     assert TreeSetting.from_method("eagle3@k=4") is None
+    # every name the evaluation writes parses back to the value it was made from
+    for method in (Method("target"), Method("prompt-lookup", 4), Method("eagle3", 7), Method("eagle3-untrained", 4),
+                   Method("eagle3", 5, setting)):
+        assert Method.parse(method.name) == method
+    assert [Method("target").name, Method("eagle3-untrained", 4).name] == ["target", "eagle3-untrained@k=4"]
 
 
 @pytest.mark.parametrize(("steps", "topk", "tokens", "why"), [
@@ -53,7 +61,7 @@ def test_a_kept_node_always_comes_with_its_parent_even_at_ties(kept):
     candidates = [(torch.tensor([0.0, -1.0]), torch.tensor([10, 11]), torch.tensor([-1, -1])),
                   (torch.tensor([0.0, -2.0, -1.0, -3.0]), torch.tensor([12, 13, 14, 15]), torch.tensor([0, 0, 1, 1]))]
     tokens, parents, depths, scores = keep_best(tiny_drafter(), candidates, topk=2, kept=kept).tolist()
-    tree = DraftTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
+    tree = Draft([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores)
     expected = [[10], [10, 12], [10, 11, 12], [10, 11, 12, 14], [10, 11, 12, 13, 14], [10, 11, 12, 13, 14, 15]]
     assert tree.tokens == expected[kept - 1]
     parent_token = {10: None, 11: None, 12: 10, 13: 10, 14: 11, 15: 11}
@@ -64,7 +72,7 @@ def test_a_kept_node_always_comes_with_its_parent_even_at_ties(kept):
 
 def test_acceptance_follows_the_targets_argmax_down_one_branch():
     # root -> a(5), b(6); a -> c(7); b -> d(8), e(9); d -> f(4)
-    tree = DraftTree(tokens=[5, 6, 7, 8, 9, 4], parents=[0, 0, 1, 2, 2, 4], depths=[1, 1, 2, 2, 2, 3],
+    tree = Draft(tokens=[5, 6, 7, 8, 9, 4], parents=[0, 0, 1, 2, 2, 4], depths=[1, 1, 2, 2, 2, 3],
                      scores=[0.0] * 6)
     assert tree.visible()[6].tolist() == [True, False, True, False, True, False, True]
     # argmax at the root is 6 (b), at b is 8 (d), at d is 4 (f), at f is 3: all of b-d-f accepted, bonus 3
@@ -104,7 +112,7 @@ def test_each_verified_node_sees_its_ancestors_only(smollm2, monkeypatch, cache)
     root, n = prefix[-1], len(prefix) - 1
     words = tokenizer.encode(" Rome Milan, is and the")
     assert len(words) >= 6
-    tree = DraftTree(tokens=words[:6], parents=[0, 0, 1, 1, 2, 3],
+    tree = Draft(tokens=words[:6], parents=[0, 0, 1, 1, 2, 3],
                      depths=[1, 1, 2, 2, 2, 3], scores=[0.0] * 6)
     kv = target.new_cache(64)
     target.forward(prefix[:-1], kv)
@@ -169,9 +177,9 @@ def test_tree_decoding_is_lossless(trained_tiny, setting):
     tree_drafter = TreeDrafter(drafter, setting)
     accepted = []
     for i, ids in enumerate(prompts_of(store)):
-        reference = speculative.greedy(target, ids, 40, set(), str(i))
+        reference = speculative.decode(target, TargetAlone(), ids, 40, set(), str(i), "target")
         tree_drafter.reset()
-        trace = tree_speculative(target, tree_drafter, ids, 40, set(), str(i), setting.method())
+        trace = speculative.decode(target, tree_drafter, ids, 40, set(), str(i), setting.method())
         speculative.check_lossless(trace, reference)
         assert len(trace.tokens) == 40 and max(trace.drafted) <= setting.num_steps
         accepted += trace.accepted
@@ -181,14 +189,45 @@ def test_tree_decoding_is_lossless(trained_tiny, setting):
 @pytest.mark.parametrize("k", [2, 4])
 def test_a_topk_1_tree_accepts_what_the_chain_accepts(trained_tiny, k):
     target, drafter, store = trained_tiny
-    chain, tree_drafter = drafting.DrafterProposer(drafter), TreeDrafter(drafter, TreeSetting(k, 1, k + 1))
+    chain = EagleChain(drafting.DrafterProposer(drafter), k)
+    tree_drafter = TreeDrafter(drafter, TreeSetting(k, 1, k + 1))
     for i, ids in enumerate(prompts_of(store, 3)):
         chain.reset()
         tree_drafter.reset()
-        chained = speculative.speculative(target, chain, ids, k, 30, set(), str(i), "chain")
-        treed = tree_speculative(target, tree_drafter, ids, 30, set(), str(i), "tree")
+        chained = speculative.decode(target, chain, ids, 30, set(), str(i), "chain")
+        treed = speculative.decode(target, tree_drafter, ids, 30, set(), str(i), "tree")
         assert treed.tokens == chained.tokens and treed.accepted == chained.accepted
         assert treed.drafted == chained.drafted == [k] * len(chained.drafted)
+
+
+def test_one_loop_decodes_the_target_alone_a_chain_and_a_topk_1_tree_alike(trained_tiny, monkeypatch):
+    """The same host loop, three proposers: the same tokens; the chain and the topk-1 tree accept the same drafts, but
+    only the tree is verified with a tree mask (a chain's draft goes through the plain causal forward)."""
+    target, drafter, store = trained_tiny
+    k, calls = 3, []
+    forward, forward_tree = target.forward, target.forward_tree
+    monkeypatch.setattr(target, "forward", lambda tokens, cache, **options: (
+        calls.append(("plain", len(tokens))), forward(tokens, cache, **options))[1])
+    monkeypatch.setattr(target, "forward_tree", lambda tokens, *rest, **options: (
+        calls.append(("tree", len(tokens))), forward_tree(tokens, *rest, **options))[1])
+    for i, ids in enumerate(prompts_of(store, 2)):
+        runs, verifies = {}, {}
+        for name, proposer in (("target", TargetAlone()), ("chain", EagleChain(drafting.DrafterProposer(drafter), k)),
+                               ("tree", TreeDrafter(drafter, TreeSetting(k, 1, k + 1)))):
+            proposer.reset()
+            calls.clear()
+            runs[name] = speculative.decode(target, proposer, ids, 30, set(), str(i), name)
+            verifies[name] = set(calls[1:])  # after the prompt's forward
+        assert runs["target"].tokens == runs["chain"].tokens == runs["tree"].tokens
+        assert runs["chain"].accepted == runs["tree"].accepted and runs["chain"].drafted == runs["tree"].drafted
+        assert verifies == {"target": {("plain", 1)}, "chain": {("plain", k + 1)}, "tree": {("tree", k + 1)}}
+        assert runs["target"].accepted == runs["target"].drafted == [] and runs["target"].draft_seconds == 0
+        assert runs["target"].verify_seconds == runs["target"].total_seconds
+    chain = Draft.chain([7, 8, 9])  # a chain is the topk-1 tree: each node sees the root and the nodes before it
+    assert not chain.tree and chain.parents == [0, 1, 2] and chain.depths == [1, 2, 3]
+    assert torch.equal(chain.visible(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert chain.accept([7, 8, 5, 6]) == Draft(chain.tokens, chain.parents, chain.depths).accept([7, 8, 5, 6]) == (
+        [1, 2], 5)
 
 
 def test_the_evaluation_names_trees_by_their_sglang_flags(trained_tiny):
@@ -234,7 +273,7 @@ def test_smollm2_decodes_a_chat_prompt_losslessly_with_trees(smollm2, monkeypatc
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
     [(pid, ids)] = speculative.encode_prompts(tokenizer, [Prompt("p", [{"role": "user", "content": "Say hi."}])])
-    reference = speculative.greedy(reference_target, ids, 12, set(), pid)
+    reference = speculative.decode(reference_target, TargetAlone(), ids, 12, set(), pid, "target")
     for setting in (TreeSetting(2, 2, 4), TreeSetting(3, 3, 8)):
-        trace = tree_speculative(target, TreeDrafter(drafter.eval(), setting), ids, 12, set(), pid, setting.method())
+        trace = speculative.decode(target, TreeDrafter(drafter.eval(), setting), ids, 12, set(), pid, setting.method())
         speculative.check_lossless(trace, reference)

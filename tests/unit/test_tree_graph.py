@@ -13,7 +13,9 @@ import torch
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.runtime import speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.tree import DraftTree, TreeDrafter, TreeSetting, tree_speculative
+from eagle3_pipeline.runtime.methods import TreeSetting
+from eagle3_pipeline.runtime.proposers import Draft, TargetAlone
+from eagle3_pipeline.runtime.tree import TreeDrafter
 from tests.unit.conftest import tiny_llama
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled step need a GPU")
@@ -46,11 +48,11 @@ def prompt(length: int = 20, seed: int = 0) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def oracle_tree(continuation: list[int], vocab: int) -> DraftTree:
+def oracle_tree(continuation: list[int], vocab: int) -> Draft:
     """root -> g1, x; g1 -> g2, y; x -> z; g2 -> g3: the target's next three tokens on one branch, wrong
     tokens (never the target's) beside them."""
     g1, g2, g3 = continuation
-    return DraftTree(tokens=[g1, (g1 + 1) % vocab, g2, (g2 + 1) % vocab, (g1 + 2) % vocab, g3],
+    return Draft(tokens=[g1, (g1 + 1) % vocab, g2, (g2 + 1) % vocab, (g1 + 2) % vocab, g3],
                      parents=[0, 0, 1, 1, 2, 3], depths=[1, 1, 2, 2, 2, 3], scores=[0.0] * 6)
 
 
@@ -61,7 +63,8 @@ def test_a_tree_holding_the_targets_continuation_is_accepted_down_that_branch(mo
     (path 1-3-6, then the bonus), the padding and the other rows dropped, for 8 steps: the output is the target's
     greedy output, so every verify saw exactly its ancestors."""
     ids = prompt()
-    reference = speculative.greedy(TargetRuntime(model, AUX_LAYERS), ids, 40, set(), "p").tokens
+    eager = TargetRuntime(model, AUX_LAYERS)
+    reference = speculative.decode(eager, TargetAlone(), ids, 40, set(), "p", "target").tokens
     # a compiled runtime gets a model of its own (one per model and process: decode.claim_for_compilation)
     target = TargetRuntime(confident_target() if mode == "compiled" else model, AUX_LAYERS, static=True,
                            compiled=mode == "compiled", log=logging.getLogger("test"))
@@ -113,12 +116,12 @@ def test_tree_decoding_with_the_compiled_target_and_the_captured_drafter_is_loss
     for setting in (TreeSetting(5, 4, 8), TreeSetting(3, 2, 6)):
         for seed in range(2):
             ids = prompt(24, seed=seed)
-            reference = speculative.greedy(eager, ids, 32, set(), str(seed))
+            reference = speculative.decode(eager, TargetAlone(), ids, 32, set(), str(seed), "target")
             captured = TreeDrafter(drafter, setting, compiled=True)
-            trace = tree_speculative(compiled, captured, ids, 32, set(), str(seed), setting.method())
+            trace = speculative.decode(compiled, captured, ids, 32, set(), str(seed), setting.method())
             speculative.check_lossless(trace, reference)
             assert captured.captured is not None  # a failed capture falls back to eager drafting: not tested then
-            plain = tree_speculative(eager, TreeDrafter(drafter, setting), ids, 32, set(), str(seed), "eager")
+            plain = speculative.decode(eager, TreeDrafter(drafter, setting), ids, 32, set(), str(seed), "eager")
             assert trace.accepted == plain.accepted
     assert compiled.compiled and not compiled.tree_step_failed
 

@@ -7,10 +7,13 @@ target's greedy tokens exactly (lossless); a mismatch raises naming the prompt. 
 verify may round differently from a one-token step at a near tie: the share of prompts that diverged and
 where is reported instead.
 
-Per verify step the target processes [next token, d1..dk] in one forward (KV cache), accepts the longest
-prefix of drafts equal to its own argmax, and adds one bonus token: tau = tokens per target forward.
-The drafter keeps its own KV cache of real (target-feature) rows; chain rows are dropped after each verify.
-Draft trees (`eagle3-tree(steps=..,topk=..,tokens=..)`, SGLang's settings) are drafted and verified in tree.py.
+One host loop decodes every method (`decode`, after EAGLE's `eagenerate`): per verify step the method's proposer
+drafts (proposers.py: nothing for the target alone, a chain for prompt lookup and EAGLE-3, a tree for
+`eagle3-tree(steps=..,topk=..,tokens=..)`, SGLang's settings, tree.py), the target processes [next token, drafts]
+in one forward (KV cache), accepts the longest path of drafts equal to its own argmax plus one bonus token, and its
+cache keeps those rows: tau = tokens per target forward. A method is a typed value (methods.py `Method`); its name
+keys the traces and results. Compiled runtimes decode the target alone and the EAGLE-3 chain with their loop
+state on the device instead (pipelined.py).
 """
 
 from __future__ import annotations
@@ -27,79 +30,80 @@ from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.methods import PROMPT_LOOKUP, TARGET, Method, TreeSetting
 from eagle3_pipeline.runtime.pipelined import chain_on_device, greedy_on_device
+from eagle3_pipeline.runtime.proposers import Draft, EagleChain, PromptLookup, Proposer, TargetAlone
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
-from eagle3_pipeline.runtime.tree import TreeDrafter, TreeSetting, sglang_flags, tree_problem, tree_speculative
+from eagle3_pipeline.runtime.tree import TreeDrafter, tree_problem
 
 
 class LosslessViolation(AssertionError):
     pass
 
 
-def greedy(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str) -> Trace:
-    trace = Trace(prompt_id, "target", [])
-    start = time.perf_counter()
-    cache, _, context = prefill(target, prompt_ids, max_new, trace)
-    token = context[-1]
-    while len(trace.tokens) < max_new and token not in eos:
-        logits, _ = target.forward([token], cache)
-        trace.target_forwards += 1
-        token = int(logits[-1].argmax())
-        trace.tokens.append(token)
-    synchronize(target.device)
-    trace.total_seconds = trace.verify_seconds = time.perf_counter() - start
-    trace.target_forwards = max(trace.target_forwards, 1)
-    return trace
-
-
-DraftFn = Callable[[list[int], torch.Tensor, int], list[int]]
-
-
-def prompt_lookup(max_ngram: int = 3) -> DraftFn:
-    """Drafts copied from the context after the most recent earlier match of its last n tokens."""
-    def propose(context: list[int], _features: torch.Tensor, k: int) -> list[int]:
-        for n in range(max_ngram, 0, -1):
-            if len(context) <= n:
-                continue
-            tail = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):
-                if context[start: start + n] == tail:
-                    follow = context[start + n: start + n + k]
-                    if follow:
-                        return follow
-        return []
-    return propose
-
-
-def speculative(target: TargetRuntime, propose: DraftFn, prompt_ids: list[int], k: int, max_new: int, eos: set[int],
-                prompt_id: str, method: str) -> Trace:
+def decode(target: TargetRuntime, proposer: Proposer, prompt_ids: list[int], max_new: int, eos: set[int],
+           prompt_id: str, method: str) -> Trace:
+    """Decode one prompt with one method: draft, verify, accept, commit, record, until max_new tokens or the end of
+    the sequence. The target alone (a proposer drafting nothing) is timed as a whole: its verify time is the total
+    (prefill included) and a prompt ended by its prefill counts one forward."""
     trace = Trace(prompt_id, method, [])
     start = time.perf_counter()
     cache, features, context = prefill(target, prompt_ids, max_new, trace)
     while len(trace.tokens) < max_new and context[-1] not in eos:
         tick = time.perf_counter()
-        drafts = propose(context, features, k)[:k]
-        synchronize(target.device)
-        middle = time.perf_counter()
-        logits, new_features = target.forward([context[-1]] + drafts, cache)
-        predictions = logits.argmax(-1).tolist()
-        synchronize(target.device)
-        trace.draft_seconds += middle - tick
-        if trace.target_forwards == 0:  # the prompt's rows went into the drafter's cache first
-            trace.prompt_draft_seconds = middle - tick
-        trace.verify_seconds += time.perf_counter() - middle
-        trace.target_forwards += 1
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == predictions[accepted]:
-            accepted += 1
-        trace.accepted.append(accepted)
-        trace.drafted.append(len(drafts))
-        new = drafts[:accepted] + [predictions[accepted]]
-        target.forget(cache, len(drafts) - accepted)  # the verify wrote 1 + len(drafts) rows
-        features = torch.cat([features, new_features[: accepted + 1]])
-        append_until_eos(trace, context, new, eos)
+        draft = proposer.draft(context, features)
+        middle = step_clock(target, proposer)
+        predictions, aux = draft.verify(target, cache, context)
+        count_forward(trace, proposer, middle - tick, step_clock(target, proposer) - middle)
+        path, bonus = draft.accept(predictions)
+        features = commit(target, cache, proposer, draft, path, aux, features, len(context) - 1)
+        record(trace, context, proposer, draft, path, bonus, eos)
+    return finish(trace, target, proposer, start, max_new)
+
+
+def step_clock(target: TargetRuntime, proposer: Proposer) -> float:
+    """Now, once the device has done what was queued (the target alone is not timed per step: 0)."""
+    if not proposer.drafting:
+        return 0.0
+    synchronize(target.device)
+    return time.perf_counter()
+
+
+def count_forward(trace: Trace, proposer: Proposer, draft_seconds: float, verify_seconds: float) -> None:
+    trace.target_forwards += 1
+    if proposer.drafting:
+        trace.draft_seconds += draft_seconds
+        if trace.target_forwards == 1:  # the prompt's rows went into the drafter's cache first
+            trace.prompt_draft_seconds = draft_seconds
+        trace.verify_seconds += verify_seconds
+
+
+def commit(target: TargetRuntime, cache: Any, proposer: Proposer, draft: Draft, path: list[int], aux: torch.Tensor,
+           features: torch.Tensor, n: int) -> torch.Tensor:
+    """The target's cache keeps the root's and the accepted path's rows (it had seen n rows); the features, their
+    aux rows appended where the proposer drafts from them."""
+    kept = draft.commit(target, cache, n, path, aux)
+    return torch.cat([features, kept]) if proposer.drafting else features
+
+
+def record(trace: Trace, context: list[int], proposer: Proposer, draft: Draft, path: list[int], bonus: int,
+           eos: set[int]) -> None:
+    """The step's tokens (the accepted drafts, then the bonus) into the context and the trace; `accepted`: the path's
+    length, `drafted`: the longest path offered (a chain: its length)."""
+    if proposer.drafting:
+        trace.accepted.append(len(path))
+        trace.drafted.append(draft.depth)
+    append_until_eos(trace, context, [draft.tokens[node - 1] for node in path] + [bonus], eos)
+
+
+def finish(trace: Trace, target: TargetRuntime, proposer: Proposer, start: float, max_new: int) -> Trace:
     trace.tokens = trace.tokens[:max_new]
-    trace.total_seconds = time.perf_counter() - start
+    if proposer.drafting:
+        trace.total_seconds = time.perf_counter() - start
+        return trace
+    synchronize(target.device)
+    trace.total_seconds = trace.verify_seconds = time.perf_counter() - start
+    trace.target_forwards = max(trace.target_forwards, 1)
     return trace
 
 
@@ -191,37 +195,33 @@ def decode_all(target: TargetRuntime, tokenizer: Any, prompts: list[Prompt], dra
             continue
         finished = decode_prompt(target, methods, pid, ids, max_new, eos, strict)
         on_prompt(finished)
-        progress.update(1, len(finished["target"].tokens))
+        progress.update(1, len(finished[TARGET].tokens))
 
 
 def end_of_sequence(tokenizer: Any) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
-Method = tuple[DraftFn | TreeDrafter, int]  # the proposer, and its draft length (a tree: its depth)
-
-
 def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None,
-                 trees: tuple[TreeSetting, ...] = ()) -> dict[str, Method]:
-    """The speculative methods by name ("prompt-lookup@k=4", "eagle3@k=4", "eagle3-tree(steps=5,topk=4,tokens=8)",
-    ...): each with its proposer and k. `compiled`: chain drafters decode with a static cache, their chain replayed
-    from a CUDA graph on GPU, as the target's steps are compiled. Trees: the trained drafter only, one method
-    per setting."""
-    methods: dict[str, Method] = {}
+                 trees: tuple[TreeSetting, ...] = ()) -> dict[Method, Proposer]:
+    """The speculative methods (prompt lookup and each drafter's chains at every k, the trained drafter's trees) with
+    their proposers. `compiled`: chain drafters decode with a static cache, their chain replayed from a CUDA graph on
+    GPU, as the target's steps are compiled. Trees: the trained drafter only, one method per setting."""
+    methods: dict[Method, Proposer] = {}
     for k in ks:
-        methods[f"prompt-lookup@k={k}"] = (prompt_lookup(), k)
+        methods[Method(PROMPT_LOOKUP, k)] = PromptLookup(k)
         for name, drafter in drafters.items():
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
-            methods[f"{name}@k={k}"] = (DrafterProposer(drafter, compiled=compiled, log=log), k)
-    for setting in trees:
-        if "eagle3" in drafters:
-            methods[setting.method()] = (TreeDrafter(drafters["eagle3"], setting, compiled, log), setting.num_steps)
+            methods[Method(name, k)] = EagleChain(DrafterProposer(drafter, compiled=compiled, log=log), k)
+    for setting in trees if "eagle3" in drafters else ():
+        tree = Method("eagle3", setting.num_steps, setting)
+        methods[tree] = TreeDrafter(drafters["eagle3"], setting, compiled, log)
     return methods
 
 
 def prepared_methods(target: TargetRuntime, drafters: dict[str, Drafter], ks: list[int], log: Any,
-                     trees: tuple[TreeSetting, ...] = ()) -> dict[str, Method]:
+                     trees: tuple[TreeSetting, ...] = ()) -> dict[Method, Proposer]:
     """The method table (trees this runtime can verify) and the target prepared for their step widths."""
     trees = usable_trees(target, trees, log)
     target.prepare(ks, [tree.num_draft_tokens for tree in trees])
@@ -237,41 +237,40 @@ def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any
     return trees
 
 
-def decode_prompt(target: TargetRuntime, methods: dict[str, Method], prompt_id: str, ids: list[int],
+def decode_prompt(target: TargetRuntime, methods: dict[Method, Proposer], prompt_id: str, ids: list[int],
                   max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
-    """Target-only greedy, then every method, back to back on one prompt; lossless checked when `strict`. Where the
-    runtime keeps its loops on the device (compiled), greedy and the EAGLE-3 chain decode there (pipelined.py);
-    prompt lookup and trees, whose drafting reads the host's context or tree, decode in host loops."""
+    """The target alone, then every method, back to back on one prompt: traces by method name; lossless checked when
+    `strict`. Where the runtime keeps its loops on the device (compiled), the target alone and the EAGLE-3 chain
+    decode there (pipelined.py); prompt lookup and trees, whose drafting reads the host's context or tree, decode in
+    the host loop."""
     on_device = target.static and target.device_loops
-    reference = (greedy_on_device if on_device else greedy)(target, ids, max_new, eos, prompt_id)
-    finished = {"target": reference}
-    for method, (propose, k) in methods.items():
-        if isinstance(propose, DrafterProposer | TreeDrafter):
-            # static: the drafter's cache of the target's size (an eager target's tau pass: grown as needed)
-            propose.reset(target.cache_size(len(ids) + max_new) if target.static else 0)
-        if isinstance(propose, TreeDrafter):
-            trace = tree_speculative(target, propose, ids, max_new, eos, prompt_id, method)
-        elif on_device and isinstance(propose, DrafterProposer):
-            trace = chain_on_device(target, propose, ids, k, max_new, eos, prompt_id, method)
+    reference = (greedy_on_device(target, ids, max_new, eos, prompt_id) if on_device
+                 else decode(target, TargetAlone(), ids, max_new, eos, prompt_id, TARGET))
+    finished = {TARGET: reference}
+    for method, proposer in methods.items():
+        # static: the drafter's cache of the target's size (an eager target's tau pass: grown as needed)
+        proposer.reset(target.cache_size(len(ids) + max_new) if target.static else 0)
+        if on_device and isinstance(proposer, EagleChain):
+            trace = chain_on_device(target, proposer.proposer, ids, proposer.k, max_new, eos, prompt_id, method.name)
         else:
-            trace = speculative(target, propose, ids, k, max_new, eos, prompt_id, method)
-        finished[method] = trace
+            trace = decode(target, proposer, ids, max_new, eos, prompt_id, method.name)
+        finished[method.name] = trace
         if strict:
             check_lossless(trace, reference)
     return finished
 
 
 def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:
-    reference = by_method["target"]
+    """The tau pass's figures by method name (names as the traces carry them, possibly read back from files)."""
+    reference = by_method[TARGET]
     reference_by_prompt = {t.prompt_id: t for t in reference}
     results: dict[str, Any] = {"target": {"prompts": len(reference), "tokens": sum(len(t.tokens) for t in reference)}}
     for method, traces in by_method.items():
-        if method == "target":
+        if method == TARGET:
             continue
-        tree = TreeSetting.from_method(method)
-        k = tree.num_steps if tree else int(method.rsplit("@k=", 1)[1])
-        results[method] = summary = summarise(traces, k) | divergence(traces, reference_by_prompt)
-        if flags := sglang_flags(method):
+        value = Method.parse(method)
+        results[method] = summary = summarise(traces, value.k) | divergence(traces, reference_by_prompt)
+        if flags := value.sglang_flags:
             summary["sglang_flags"] = flags
         log.info("%s: tau %.3f, acceptance by position %s; %d of %d prompts diverged from the target's greedy "
                  "output%s", method, summary["tau"], [round(a, 3) for a in summary["acceptance_by_position"]],

@@ -29,6 +29,7 @@ from eagle3_pipeline import engine_comparison, logs
 from eagle3_pipeline.formats import engine_check, evaluation, jobs
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.prompts import load_prompts
+from eagle3_pipeline.runtime.methods import TARGET, Method
 from eagle3_pipeline.runtime.speculative import encode_prompts
 from eagle3_pipeline.settings import from_section, setting
 
@@ -58,7 +59,7 @@ class EngineJob:
 
 
 def engine_jobs(draft_lengths: tuple[int, ...]) -> list[EngineJob]:
-    return [EngineJob("target", None), *(EngineJob(f"eagle3@k={k}", k) for k in draft_lengths)]
+    return [EngineJob(TARGET, None), *(EngineJob(Method("eagle3", k).name, k) for k in draft_lengths)]
 
 
 def job_fingerprint(target_dir: Path, serving_dir: Path, job: dict[str, Any]) -> str:

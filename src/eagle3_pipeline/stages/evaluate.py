@@ -25,9 +25,9 @@ from eagle3_pipeline.formats import evaluation, jobs, journal
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.drafting import load_models
+from eagle3_pipeline.runtime.methods import TreeSetting, parse_settings
 from eagle3_pipeline.runtime.speculative import Trace, decode_all, summarise_methods
 from eagle3_pipeline.runtime.target.devices import pick_device
-from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 from eagle3_pipeline.settings import from_section, setting
 
 

@@ -14,6 +14,7 @@ from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.drafting import load_models
+from eagle3_pipeline.runtime.methods import TreeSetting, parse_settings
 from eagle3_pipeline.runtime.speculative import (
     Trace,
     decode_prompt,
@@ -23,7 +24,6 @@ from eagle3_pipeline.runtime.speculative import (
     timing_summary,
 )
 from eagle3_pipeline.runtime.target.devices import describe, pick_device
-from eagle3_pipeline.runtime.tree import TreeSetting, parse_settings
 from eagle3_pipeline.settings import from_section, setting
 
 
