@@ -1,5 +1,5 @@
 """What one decoding method leaves per prompt: its trace (tokens, accepted drafts per verify step, seconds), shared
-by the chain methods (runtime/speculative.py) and the draft trees (runtime/tree.py)."""
+by the host decoding loop (runtime/speculative.py) and the device-resident loops (runtime/pipelined.py)."""
 
 from __future__ import annotations
 
