@@ -2,8 +2,9 @@
 chain and the best EAGLE-3 tree, each with its tau (tau pass) and, where the timing pass ran it, its speed.
 
 "Best" is the fastest measured setting when the timing pass ran any setting of that kind, else the highest tau
-(then the figure says it was not timed). Methods are read by their names in the result files: `target`,
-`prompt-lookup@k=N`, `eagle3@k=N` (a chain), `eagle3-tree(steps=S,topk=K,tokens=T)`, `eagle3-untrained@k=N`."""
+(then the figure says it was not timed). Methods are read by their names in the result files (`target`,
+`prompt-lookup@k=N`, `eagle3@k=N` (a chain), `eagle3-tree(steps=S,topk=K,tokens=T)`, `eagle3-untrained@k=N`) with
+the one reader of names, runtime/methods.py `Method.parse`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-TARGET = "target"
+from eagle3_pipeline.logs import ClearError
+from eagle3_pipeline.runtime.methods import PROMPT_LOOKUP, TARGET, Method
+
 KINDS = ("target alone", "prompt lookup", "EAGLE-3 chain", "EAGLE-3 tree")
 
 
@@ -39,15 +42,13 @@ class Headline:
 
 def kind(method: str) -> str | None:
     """The KINDS entry of a method name; None for the untrained baseline and names of no known kind."""
-    if method == TARGET:
-        return "target alone"
-    if method.startswith("prompt-lookup@"):
-        return "prompt lookup"
-    if method.startswith("eagle3@"):
-        return "EAGLE-3 chain"
-    if method.startswith("eagle3-tree("):
-        return "EAGLE-3 tree"
-    return None
+    try:
+        value = Method.parse(method)
+    except (ValueError, ClearError):
+        return None
+    if value.proposer == "eagle3":
+        return "EAGLE-3 tree" if value.tree else "EAGLE-3 chain"
+    return {TARGET: "target alone", PROMPT_LOOKUP: "prompt lookup"}.get(value.proposer)
 
 
 def figures(method: str, values: dict[str, Any], speed: dict[str, Any] | None) -> Figures:

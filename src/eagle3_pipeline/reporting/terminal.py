@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from eagle3_pipeline.reporting.headline import Headline, headlines, verdict
+from eagle3_pipeline.reporting.headline import Headline, headlines, kind, verdict
 
 WIDTH = 120
 COLUMNS = ("method", "tau", "speedup", "tokens/s", "draft ms", "verify ms", "diverged")
@@ -53,7 +53,7 @@ def flag_lines(evaluations: dict[str, dict[str, Any]]) -> list[str]:
     for method, flag in flags.items():
         lines += [f"  {method}", f"      {flag}"]
     chains = sorted({values["k"] for result in evaluations.values()
-                     for method, values in result["summary"].items() if method.startswith("eagle3@")})
+                     for method, values in result["summary"].items() if kind(method) == "EAGLE-3 chain"})
     if chains:
         lines += ["vLLM (chains): vllm serve TARGET --speculative-config \\",
                   "  '{\"method\": \"eagle3\", \"model\": \"DRAFTER\", \"num_speculative_tokens\": K}'"
