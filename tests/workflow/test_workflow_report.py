@@ -146,8 +146,8 @@ def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(finished_tiny_
     # the finished run up to its exported drafter: only the evaluate rule's settings change below
     run = copy_run(finished_tiny_run, tmp_path / "run", drop=("results/tiny/evaluation", "logs/tiny/evaluate"))
     workdir, config = run.workdir, run.config
-    config["evaluate"] = {**config["evaluate"], "prompts": ["mtbench-package"], "max_prompts": 5,
-                          "max_new_tokens": 24, "workers": 1}
+    config["evaluate"] = {**config["evaluate"], "prompts": ["mtbench-package"], "max_prompts": 5,  # resume only:
+                          "max_new_tokens": 24, "workers": 1, "tree": [], "untrained_baseline": False}  # 3 methods
     output = workdir / "results" / "tiny" / "evaluation" / "mtbench-package.json"
     progress = output.with_name(output.name + ".progress")
     process = start_snakemake(workdir, config, str(output.relative_to(workdir)))
