@@ -111,6 +111,31 @@ def serving(lines: list[Headline], facts: RunFacts) -> str:
     return "\n".join(parts)
 
 
+def setting_cells(setting: Figures | None, label: str) -> str:
+    if setting is None:
+        return '<td colspan="4" class="missing">not evaluated</td>'
+    ms = ("not timed" if setting.draft_ms is None or setting.verify_ms is None
+          else f"{setting.draft_ms:.2f} / {setting.verify_ms:.2f}")
+    return (f"<td><code>{escape(label)}</code></td><td class=\"num\">{setting.tau:.3f}</td>"
+            f'<td class="num">{number(setting.speedup, 2, "x")}</td><td class="num">{ms}</td>')
+
+
+def recommendations(lines: list[Headline]) -> str:
+    """Per prompt set, what to serve: the fastest measured EAGLE-3 setting with its SGLang flags, and the fastest
+    chain for vLLM (k = num_speculative_tokens), each with its tau, speedup and draft / verify ms per step."""
+    rows = ['<table><thead><tr><th>prompt set</th><th>SGLang flags</th><th class="num">tau</th>'
+            '<th class="num">speedup</th><th class="num">draft / verify ms</th><th>vLLM chain</th>'
+            '<th class="num">tau</th><th class="num">speedup</th><th class="num">draft / verify ms</th></tr>'
+            "</thead><tbody>"]
+    for line in lines:
+        pick, chain = best_drafter(line), line.best["EAGLE-3 chain"]
+        rows.append(f"<tr><td>{escape(line.prompt_set)}</td>"
+                    f"{setting_cells(pick, pick.sglang_flags if pick else '')}"
+                    f"{setting_cells(chain, f'num_speculative_tokens {chain.k}' if chain else '')}</tr>")
+    return ("<p><b>Serving settings by prompt set</b> (the fastest the timing pass measured; by tau where it "
+            "timed none):</p>\n" + "\n".join(rows) + "</tbody></table>")
+
+
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
@@ -166,5 +191,5 @@ def front_page(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any], f
     lines = headlines(evaluations, timing)
     engine = [engine_line(engine_check)] if engine_check else []
     return "\n".join([STYLE, '<div class="e3-front">', verdicts(lines), headline_table(lines),
-                      serving(lines, facts), run_line(facts), disk_line(disk), *engine, gaps(timing, engine_check),
-                      "</div>"])
+                      serving(lines, facts), recommendations(lines), run_line(facts), disk_line(disk), *engine,
+                      gaps(timing, engine_check), "</div>"])

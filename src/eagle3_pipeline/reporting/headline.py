@@ -28,6 +28,8 @@ class Figures:
     speedup: float | None  # vs the target alone, from the timing pass; None where it did not time the method
     tokens_per_s: float | None
     sglang_flags: str  # EAGLE-3 settings only: SGLang's flags beside the draft model path
+    draft_ms: float | None = None  # per verify step, from the timing pass
+    verify_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ def figures(method: str, values: dict[str, Any], speed: dict[str, Any] | None) -
     return Figures(method=method, tau=values.get("tau", 1.0), k=values.get("k"),
                    speedup=speed["speedup_vs_target"] if speed else None,
                    tokens_per_s=speed["tokens_per_s"] if speed else None,
-                   sglang_flags=values.get("sglang_flags", ""))
+                   sglang_flags=values.get("sglang_flags", ""),
+                   draft_ms=speed.get("draft_ms_per_step") if speed else None,
+                   verify_ms=speed.get("verify_ms_per_step") if speed else None)
 
 
 def best_of(candidates: list[Figures]) -> Figures | None:
