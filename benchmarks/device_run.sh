@@ -202,7 +202,7 @@ case $stage in
              && [ $SECONDS -lt $((deadline - 200)) ]; do sleep 5; done
        timeout $((deadline - SECONDS > 310 ? 300 : deadline - SECONDS - 10)) python3 benchmarks/bench_regenerate.py \
          --target "results/$second_name/target" --conversations "$shard" \
-         ${REGEN_ARGS:---count 256 --batch 64 --max-new 256 --temperature 0.8 --samples 2} \
+         ${REGEN_ARGS:---count 96 --batch 48 --max-new 128 --temperature 0.8 --samples 2} \
          > logs/bench-regenerate.txt 2>&1) &
       regen=$!
     fi
