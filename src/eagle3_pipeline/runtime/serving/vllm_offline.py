@@ -1,7 +1,7 @@
 """One vLLM engine in a process of its own: the target alone or with the exported drafter (EAGLE-3, k drafts),
-greedy, one sequence at a time, over the engine check's prompt sets. It records per set the outputs' token ids,
-the wall time and the spec-decode counters' increase; the engine's start (load, compile, CUDA-graph capture) is
-timed apart.
+greedy, one prompt per call (batch 1), over the engine check's prompt sets. It records per set the outputs' token
+ids, the generate calls' wall time and the spec-decode counters' increase, for the set and for each prompt; the
+engine's start (load, compile, CUDA-graph capture) is timed apart.
 
 Run as `python -m eagle3_pipeline.runtime.serving.vllm_offline JOB.json RESULT.json`: a fresh process per
 engine, because a vLLM engine does not give its GPU memory back to the process that made it.
