@@ -83,6 +83,9 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
     record_id = str(record_id) if record_id not in (None, "") else f"{Path(record.source).name}:{record.index}"
     record_id, count = _replace_lone_surrogates(record_id)
     replaced += count
+    # '#' marks ids the pipeline derives (data.weights' copies `<id>#<n>`, regenerate.samples' `<id>#s<k>`): an
+    # input id holding one is escaped, so no derived id can equal an input's
+    record_id = record_id.replace("%", "%25").replace("#", "%23")
     if replaced:
         report.modify("lone_surrogates_replaced", *where, f"{replaced} lone UTF-16 surrogate(s) -> U+FFFD")
     return {"id": record_id, "source": Path(record.source).name, "messages": messages}

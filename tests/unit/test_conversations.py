@@ -190,3 +190,13 @@ def test_openai_content_parts_are_joined_and_non_text_parts_counted(tmp_path):
     assert report.modified == {"content_parts_joined": 2, "non_text_content_parts_dropped": 1}
     assert report.dropped == {"malformed_record": 1}
     assert "image_url" in report.examples["non_text_content_parts_dropped"][0]["reason"]
+
+
+def test_input_ids_cannot_collide_with_the_ids_the_pipeline_derives(tmp_path):
+    # `a#2` and `a#s2` are what data.weights and regenerate.samples would call copies of `a`
+    records = [{"id": name, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]}
+               for name in ("a", "a#2", "a#s2", "a%23s2")]
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps(records))
+    kept, report = ingest([path])
+    assert [c["id"] for c in kept] == ["a", "a%232", "a%23s2", "a%2523s2"] and report.kept == 4
