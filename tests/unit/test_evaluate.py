@@ -235,6 +235,7 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
     result = evaluate_timing.run_timing(target_dir, serving, prompt_sets, settings, logging.getLogger("test"))
     assert result["pass"] == "timing" and set(result["sets"]) == {"a", "b"}
     assert result["compiled"] is False  # auto: eager on a CPU
+    assert list(result["warm_up_seconds"]) == ["eager"] and result["warm_up_seconds"]["eager"] > 0  # apart
     for speeds in result["sets"].values():
         assert set(speeds) == {"target", "eagle3@k=2", "eagle3@k=3", "prompt-lookup@k=2", "prompt-lookup@k=3",
                                "eagle3-tree(steps=2,topk=2,tokens=4)"}

@@ -7,7 +7,8 @@ speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompt_draft_ms_per_pr
 "device": the device-resident loop, whose draft/verify ms are device time; prompt_draft_ms_per_prompt: of the
 drafting, each prompt's first, which writes its rows into the drafter's cache), the settings, `compiled` and
 `compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds
-suspect). The CSV has TAU_COLUMNS, one row
+suspect) and `warm_up_seconds` {static cache size ("2048 slots"), or "eager": the untimed warm-up's seconds,
+compilation and graph capture included on a fresh GPU}. The CSV has TAU_COLUMNS, one row
 per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run
 that method, e.g. the untrained baseline), and for EAGLE-3 chains and trees the SGLang flags of that setting
 (the summary's `sglang_flags`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,17 +49,24 @@ def timing_settings(section: dict[str, Any], trust_remote_code: bool) -> Setting
     return from_section(Settings, section, trees=trees, trust_remote_code=trust_remote_code)
 
 def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, list[Prompt]], drafter: Drafter,
-                ks: list[int], max_new: int, strict: bool, log: Any, trees: tuple[TreeSetting, ...] = ()
-                ) -> dict[str, dict[str, Any]]:
+                ks: list[int], max_new: int, strict: bool, log: Any, trees: tuple[TreeSetting, ...] = (),
+                warm_up_seconds: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """Speeds, per prompt set and method, measured in this one process (run it with nothing else of ours on the
     device): every method on the same prompt back to back, after a warm-up run of every method that is not
-    counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture)."""
+    counted (it pays for lazy initialisation and, where compiled, for compilation and graph capture; its seconds
+    per static cache size go into `warm_up_seconds` when given)."""
     eos = end_of_sequence(tokenizer)
     methods = prepared_methods(target, {"eagle3": drafter}, ks, log, trees)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
         log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
+        started = time.perf_counter()
         warm_up(target, methods, ids, max_new if size else min(max_new, 16), eos, strict, log)
+        seconds = time.perf_counter() - started
+        log.info("timing pass: warm-up took %.1f s (%s)", seconds, "compilation and graph capture included"
+                 if target.compiled else "lazy set-up")
+        if warm_up_seconds is not None:
+            warm_up_seconds[f"{size} slots" if size else "eager"] = seconds
     if target.compiled and (skipped := steps_without_cuda_graphs()):
         log.warning("timing pass: %d compiled step(s) run without CUDA graphs (torch's [__cudagraphs] log lines say "
                     "why): their speeds are launch-bound, not a captured step's", skipped)
@@ -116,14 +124,15 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
     target, tokenizer, drafters = load_models(target_dir, serving_dir, settings.device, settings.dtype, False,
                                               settings.compile, settings.trust_remote_code, log, timing_pass=True)
     target.device_loops = target.compiled and settings.device_loops
+    warm_ups: dict[str, float] = {}
     sets = timing_pass(target, tokenizer, prompt_sets, drafters["eagle3"], list(settings.draft_lengths),
-                       settings.max_new_tokens, settings.dtype == "float32", log, settings.trees)
+                       settings.max_new_tokens, settings.dtype == "float32", log, settings.trees, warm_ups)
     device = pick_device(settings.device)
     return {"pass": "timing", "about": TIMING_PASS_ABOUT, "device": device, "device_name": describe(device),
             "dtype": settings.dtype, "prompts_per_set": settings.prompts,
             "max_new_tokens": settings.max_new_tokens, "compiled": target.compiled,
             "compiled_steps_without_cuda_graphs": steps_without_cuda_graphs() if target.compiled else 0,
-            "sets": sets}
+            "warm_up_seconds": warm_ups, "sets": sets}
 
 
 def run(target_dir: Path, serving_dir: Path, prompt_files: dict[str, Path], output: Path, settings: Settings,
