@@ -111,27 +111,27 @@ def serving(lines: list[Headline], facts: RunFacts) -> str:
     return "\n".join(parts)
 
 
-def setting_cells(setting: Figures | None, label: str) -> str:
+def setting_row(prompt_set: str, engine: str, setting: Figures | None, label: str) -> str:
     if setting is None:
-        return '<td colspan="4" class="missing">not evaluated</td>'
+        return (f"<tr><td>{escape(prompt_set)}</td><td>{engine}</td>"
+                '<td colspan="4" class="missing">not evaluated</td></tr>')
     ms = ("not timed" if setting.draft_ms is None or setting.verify_ms is None
           else f"{setting.draft_ms:.2f} / {setting.verify_ms:.2f}")
-    return (f"<td><code>{escape(label)}</code></td><td class=\"num\">{setting.tau:.3f}</td>"
-            f'<td class="num">{number(setting.speedup, 2, "x")}</td><td class="num">{ms}</td>')
+    return (f"<tr><td>{escape(prompt_set)}</td><td>{engine}</td><td><code>{escape(label)}</code></td>"
+            f'<td class="num">{setting.tau:.3f}</td><td class="num">{number(setting.speedup, 2, "x")}</td>'
+            f'<td class="num">{ms}</td></tr>')
 
 
 def recommendations(lines: list[Headline]) -> str:
     """Per prompt set, what to serve: the fastest measured EAGLE-3 setting with its SGLang flags, and the fastest
     chain for vLLM (k = num_speculative_tokens), each with its tau, speedup and draft / verify ms per step."""
-    rows = ['<table><thead><tr><th>prompt set</th><th>SGLang flags</th><th class="num">tau</th>'
-            '<th class="num">speedup</th><th class="num">draft / verify ms</th><th>vLLM chain</th>'
-            '<th class="num">tau</th><th class="num">speedup</th><th class="num">draft / verify ms</th></tr>'
-            "</thead><tbody>"]
+    rows = ['<table><thead><tr><th>prompt set</th><th>engine</th><th>setting</th><th class="num">tau</th>'
+            '<th class="num">speedup</th><th class="num">draft / verify ms</th></tr></thead><tbody>']
     for line in lines:
         pick, chain = best_drafter(line), line.best["EAGLE-3 chain"]
-        rows.append(f"<tr><td>{escape(line.prompt_set)}</td>"
-                    f"{setting_cells(pick, pick.sglang_flags if pick else '')}"
-                    f"{setting_cells(chain, f'num_speculative_tokens {chain.k}' if chain else '')}</tr>")
+        rows.append(setting_row(line.prompt_set, "SGLang", pick, pick.sglang_flags if pick else ""))
+        rows.append(setting_row(line.prompt_set, "vLLM", chain,
+                                f'"num_speculative_tokens": {chain.k}' if chain else ""))
     return ("<p><b>Serving settings by prompt set</b> (the fastest the timing pass measured; by tau where it "
             "timed none):</p>\n" + "\n".join(rows) + "</tbody></table>")
 
