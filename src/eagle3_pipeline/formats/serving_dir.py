@@ -12,6 +12,7 @@ vLLM:    --speculative-config '{"method": "eagle3", "model": "DIR", "num_specula
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.formats.atomic import atomic_dir
+from eagle3_pipeline.formats.target_dir import read_identity
 
 if TYPE_CHECKING:
     import torch
@@ -69,3 +71,12 @@ def validate(serving_dir: Path) -> dict[str, Any]:
         raise InvalidServingDir(f"{serving_dir / WEIGHTS_FILE}: weights differ from the exported names "
                                 f"({sorted(set(tensors) ^ set(EXPORTED_NAMES))})")
     return config
+
+
+def drafter_and_target_digest(serving_dir: Path, target_dir: Path) -> Any:
+    """A sha256 (still open to more updates) of the target's identity and every file of the serving directory, in
+    name order: what a decode with this drafter depends on besides its own settings."""
+    digest = hashlib.sha256(read_identity(target_dir)["content_hash"].encode())
+    for path in sorted(Path(serving_dir).iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest

@@ -16,7 +16,6 @@ job; a rerun after a kill starts only the engines that had not finished.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 import subprocess
@@ -27,7 +26,7 @@ from typing import Any
 
 from eagle3_pipeline import engine_comparison, logs
 from eagle3_pipeline.formats import engine_check, evaluation, jobs
-from eagle3_pipeline.formats.target_dir import read_identity
+from eagle3_pipeline.formats import serving_dir as serving_dir_format
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime.methods import TARGET, Method
 from eagle3_pipeline.runtime.speculative import encode_prompts
@@ -63,9 +62,7 @@ def engine_jobs(draft_lengths: tuple[int, ...]) -> list[EngineJob]:
 
 
 def job_fingerprint(target_dir: Path, serving_dir: Path, job: dict[str, Any]) -> str:
-    digest = hashlib.sha256(read_identity(target_dir)["content_hash"].encode())
-    for path in sorted(Path(serving_dir).iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
+    digest = serving_dir_format.drafter_and_target_digest(serving_dir, target_dir)
     digest.update(json.dumps({k: v for k, v in job.items() if k not in ("target_dir", "serving_dir")},
                              sort_keys=True).encode())
     return digest.hexdigest()[:16]

@@ -22,7 +22,7 @@ import torch
 
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import evaluation, jobs, journal
-from eagle3_pipeline.formats.target_dir import read_identity
+from eagle3_pipeline.formats import serving_dir as serving_dir_format
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.methods import TreeSetting, parse_settings
@@ -57,9 +57,7 @@ def prompt_digest(prompt: Prompt) -> str:
 
 def fingerprint(target_dir: Path, serving_dir: Path, settings: Settings) -> str:
     """What decides the traces: the drafter's files, the target and the output-defining settings."""
-    digest = hashlib.sha256(read_identity(target_dir)["content_hash"].encode())
-    for path in sorted(Path(serving_dir).iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
+    digest = serving_dir_format.drafter_and_target_digest(serving_dir, target_dir)
     defining = {key: getattr(settings, key)
                 for key in ("dtype", "max_new_tokens", "draft_lengths", "untrained_baseline")}
     defining["trees"] = [tree.as_dict() for tree in settings.trees]
