@@ -3,6 +3,7 @@ graphs), in one run, fp32 and bf16, on MT-bench prompts; plus the drafter chain'
 
     python benchmarks/bench_decode.py --target smollm2-gguf [--prompts 10] [--max-new 128] [--tau 1.715]
         [--modes eager compiled long-cache] [--loops host device] [--long-cache 4096] [--profile]
+        [--trees 5,4,8 5,8,32]
 
 `compiled` times the host loops (a host read after every step), then the device-resident loops (pipelined.py, the
 timing pass's) on the same runtime; `--loops device` times the device loops alone, as the timing pass meets its
@@ -11,6 +12,9 @@ prompts (a host pass first has already decoded them once: every prompt length's 
 before caches were sized per sequence): attention reads every slot, so the ratio to `compiled` is what a cache
 sized for the longest prompt costs the others. `--profile`: the kernels of 32 compiled target-only tokens (GPU time
 vs wall time says whether a step waits on the host or on the device), and of the fused drafter chains.
+
+`--trees S,K,T ...`: those draft trees (SGLang's num_steps, topk, num_draft_tokens) are timed too, in each loop:
+with `--loops host device`, each tree's device-loop tokens/s over its host-loop tokens/s on the same runtime.
 
 `--serving DIR` times a trained drafter (its speedups are real ones). By default the drafter is untrained (random
 weights, the target's shape and embedding): its acceptance is ~0, so the timing pass's speedup for it means
@@ -124,7 +128,7 @@ def profiled(run, count: int, what: str) -> None:
 def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
     """Kernel time of 32 target-only tokens (the runtime's loops) against their wall time, and the costliest
     kernels."""
-    from eagle3_pipeline.runtime.pipelined import greedy_on_device
+    from eagle3_pipeline.runtime.pipelined import GreedySteps, decode_on_device
     from eagle3_pipeline.runtime.proposers import TargetAlone
     from eagle3_pipeline.runtime.speculative import decode, encode_prompts
 
@@ -132,7 +136,7 @@ def profile_greedy(decoder: runtime.TargetRuntime, tokenizer, prompt) -> None:
 
     def greedy():
         if decoder.device_loops:
-            return greedy_on_device(decoder, ids, 32, set(), pid)
+            return decode_on_device(decoder, GreedySteps(), ids, 32, set(), pid, "target")
         return decode(decoder, TargetAlone(), ids, 32, set(), pid, "target")
 
     greedy()  # warm
@@ -196,6 +200,8 @@ def main() -> None:
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
     parser.add_argument("--loops", nargs="+", default=["host", "device"], choices=["host", "device"],
                         help="compiled mode: which decoding loops to time, in this order")
+    parser.add_argument("--trees", nargs="*", default=[], metavar="S,K,T",
+                        help="draft trees to time too: num_steps,topk,num_draft_tokens")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
@@ -228,12 +234,13 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
         decoder.smallest_cache = args.long_cache
     label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",
              "long-cache": f"compiled, one static cache of {args.long_cache} slots"}[mode]
-    rates = {}
+    rates, tree_rates = {}, {}
+    trees = tuple(TreeSetting(*(int(x) for x in tree.split(","))) for tree in args.trees)
     # compiled: the host loops and/or the loops with their state on the device (the timing pass's), one runtime
     for device_loops in ([loop == "device" for loop in args.loops] if mode == "compiled" else [decoder.device_loops]):
         decoder.device_loops = device_loops
         result = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
-                                             args.max_new, False, log)["mtbench"]
+                                             args.max_new, False, log, trees)["mtbench"]
         only, chain = result["target"], result[f"eagle3@k={args.k}"]
         loops = (" + device-resident loops" if device_loops else " + host loops") if mode == "compiled" else ""
         failed = " (compilation failed: eager)" if mode != "eager" and not decoder.compiled else ""
@@ -249,6 +256,15 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
             print(f"  projected speedup of a drafter with tau {args.tau}: "
                   f"{args.tau * (1000 / only['tokens_per_s']) / step_ms:.2f}x", flush=True)
         rates[device_loops] = only["tokens_per_s"]
+        for tree in trees:
+            timed = result[tree.method()]
+            tree_rates.setdefault(tree.method(), {})[timed["loop"]] = timed["tokens_per_s"]
+            print(f"  {tree.method()} ({timed['loop']} loop): {timed['tokens_per_s']:.1f} tokens/s, "
+                  f"{timed['speedup_vs_target']:.2f}x target-only, {timed['draft_ms_per_step']:.2f} ms drafting + "
+                  f"{timed['verify_ms_per_step']:.2f} ms verifying per step", flush=True)
+    for method, loops in tree_rates.items():
+        if {"host", "device"} <= set(loops):
+            print(f"  {method}: device loop / host loop = {loops['device'] / loops['host']:.2f}x", flush=True)
     if mode == "compiled":
         compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log, args.profile)
         compare_trees(decoder, tokenizer, prompts[0], drafter, log)

@@ -28,7 +28,7 @@ from eagle3_pipeline import assets
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
-from eagle3_pipeline.runtime.pipelined import chain_on_device, greedy_on_device
+from eagle3_pipeline.runtime.pipelined import ChainSteps, GreedySteps, decode_on_device
 from eagle3_pipeline.runtime.speculative import encode_prompts, end_of_sequence
 from eagle3_pipeline.runtime.target import loading
 from eagle3_pipeline.stages import evaluate_timing
@@ -114,11 +114,12 @@ def main() -> None:
         report = {"timing_pass": results}
 
         def greedy():
-            return greedy_on_device(decoder, ids, args.max_new, eos, pid)
+            return decode_on_device(decoder, GreedySteps(), ids, args.max_new, eos, pid, "target")
 
         def chain():
             proposer.reset(size)
-            return chain_on_device(decoder, proposer, ids, args.k, args.max_new, eos, pid, f"eagle3@k={args.k}")
+            return decode_on_device(decoder, ChainSteps(proposer, args.k, log), ids, args.max_new, eos, pid,
+                                    f"eagle3@k={args.k}")
 
         for name, run in (("target-only", greedy), ("chain", chain)):
             run()  # this proposer's graphs recorded, outside the profile

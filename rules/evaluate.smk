@@ -33,11 +33,17 @@ rule evaluate:
         "../scripts/evaluate.py"
 
 
+try:
+    TIMING_SETS = workflow_config.timing_sets(config, PROMPT_SETS)
+except workflow_config.ConfigError as exc:
+    sys.exit(f"Config error: {exc}")
+
+
 rule evaluate_timing:
     input:
         serving=SERVING_DIR,
         target=TARGET_DIR,
-        prompts=[prompt_file(types.SimpleNamespace(prompt_set=name)) for name in PROMPT_SETS],
+        prompts=[prompt_file(types.SimpleNamespace(prompt_set=name)) for name in TIMING_SETS],
         tau_pass=expand(EVAL_RESULTS, prompt_set=PROMPT_SETS),  # after the tau pass: nothing else of ours runs
     output:
         report(
@@ -48,7 +54,7 @@ rule evaluate_timing:
         ),
     params:
         settings=job_settings("evaluate"),
-        prompt_sets=PROMPT_SETS,
+        prompt_sets=TIMING_SETS,
         trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["evaluate"]["threads"]
     resources:

@@ -176,9 +176,19 @@ def check_engine_check(config: dict[str, Any], warnings: list[str]) -> None:
 
 def engine_check_sets(config: dict[str, Any], evaluated: list[str]) -> list[str]:
     """The prompt sets the engine check decodes: engine_check.prompts (names of evaluated sets), else all."""
-    wanted = (config.get("engine_check") or {}).get("prompts")
+    return chosen_sets((config.get("engine_check") or {}).get("prompts"), "engine_check.prompts", evaluated)
+
+
+def timing_sets(config: dict[str, Any], evaluated: list[str]) -> list[str]:
+    """The prompt sets the timing pass times: evaluate.timing.prompt_sets (names of evaluated sets), else all."""
+    timing = (config.get("evaluate") or {}).get("timing") or {}
+    return chosen_sets(timing.get("prompt_sets"), "evaluate.timing.prompt_sets", evaluated)
+
+
+def chosen_sets(wanted: list[str] | None, key: str, evaluated: list[str]) -> list[str]:
+    """`wanted` prompt sets (names of evaluated sets) in a stage after the tau pass, None: every one."""
     if wanted is not None and (unknown := [name for name in wanted if name not in evaluated]):
-        raise ConfigError(f"config key engine_check.prompts: {unknown} are not prompt sets of evaluate.prompts "
+        raise ConfigError(f"config key {key}: {unknown} are not prompt sets of evaluate.prompts "
                           f"(those are {evaluated})")
     return list(evaluated if wanted is None else wanted)
 

@@ -247,25 +247,41 @@ def test_the_timing_pass_times_every_method_on_every_set(target_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("failing", ["trees", "every method"])
 def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_fail(target_dir, tmp_path,
-                                                                                    monkeypatch, caplog):
-    def failing_chain(*args, **kwargs):
+                                                                                    monkeypatch, caplog, failing):
+    """A failing device-resident tree step sends the trees to the host loop (chains and the target alone stay on the
+    device); a loop that fails for every method sends them all there."""
+    from eagle3_pipeline.runtime import pipelined
+    from eagle3_pipeline.runtime.methods import TreeSetting
+
+    def failing_begin(*args, **kwargs):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(speculative, "chain_on_device", failing_chain)  # as a failed CUDA-graph recording would
+    if failing == "trees":  # as a failed CUDA-graph recording would
+        monkeypatch.setattr(pipelined.TreeSteps, "begin", failing_begin)
+    else:
+        monkeypatch.setattr(speculative, "decode_on_device", failing_begin)
     model = load_model(target_dir, "cpu", torch.float32)
     target = TargetRuntime(model, [2, 15, 27], static=True)  # the compiled runtime's static caches, uncompiled
     target.device_loops = True
     drafter = drafting.load_served_for(target_dir, smollm2_serving_dir(target_dir, tmp_path / "serving"), torch.float32)
     prompt_sets = {"a": [Prompt("a1", [{"role": "user", "content": "Say hello."}])]}
+    tree = TreeSetting(2, 2, 4)
     with caplog.at_level(logging.WARNING):
         sets = evaluate_timing.timing_pass(target, load_tokenizer(target_dir), prompt_sets, drafter, [2], 8, True,
-                                           logging.getLogger("test"))
-    assert "device-resident loops failed in the warm-up (RuntimeError: capture failed)" in caplog.text
-    assert target.device_loops is False
+                                           logging.getLogger("test"), (tree,))
+    assert ("device-resident loop failed in the warm-up (RuntimeError: capture failed); timing the draft trees in "
+            "the host loop instead") in caplog.text
     speeds = sets["a"]
-    assert {speed["loop"] for speed in speeds.values()} == {"host"}
-    assert speeds["eagle3@k=2"]["tokens"] == speeds["target"]["tokens"] > 0
+    if failing == "trees":
+        assert target.device_loops is True and target.device_trees is False
+        assert {method: speed["loop"] for method, speed in speeds.items()} == {
+            "target": "device", "eagle3@k=2": "device", "prompt-lookup@k=2": "host", tree.method(): "host"}
+    else:
+        assert "timing every method in the host loop instead" in caplog.text and target.device_loops is False
+        assert {speed["loop"] for speed in speeds.values()} == {"host"}
+    assert speeds["eagle3@k=2"]["tokens"] == speeds[tree.method()]["tokens"] == speeds["target"]["tokens"] > 0
 
 
 @pytest.mark.slow

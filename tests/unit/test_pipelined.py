@@ -1,4 +1,5 @@
-"""The device-resident decoding loops (runtime/pipelined.py) decode exactly what the host loops decode."""
+"""The device-resident decoding loop (runtime/pipelined.py) decodes exactly what the host loop decodes: the target
+alone, EAGLE-3 chains and draft trees; its recorded steps accept, commit and draft as the host loop does."""
 
 from __future__ import annotations
 
@@ -11,22 +12,29 @@ import torch
 from eagle3_pipeline.formats.hidden_store import HiddenStore
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.drafting import DrafterProposer
-from eagle3_pipeline.runtime.methods import Method
-from eagle3_pipeline.runtime.proposers import EagleChain
+from eagle3_pipeline.runtime.methods import Method, TreeSetting
+from eagle3_pipeline.runtime.proposers import Draft, EagleChain
 from eagle3_pipeline.runtime.speculative import decode_prompt
+from eagle3_pipeline.runtime.tree import TreeDrafter
+
+TREES = (TreeSetting(3, 2, 5), TreeSetting(2, 3, 6))
 
 
 def both_loops(runtime: TargetRuntime, drafter, ids: list[int], k: int, max_new: int, eos: set[int]
-               ) -> tuple[dict, dict, DrafterProposer]:
-    """Target-only and the chain at k on one prompt, with the host loops and with the device-resident ones (a
-    compiled runtime's: its chain recorded in CUDA graphs); and the device-resident run's proposer."""
+               ) -> tuple[dict, dict, dict]:
+    """Target-only, the chain at k and the TREES on one prompt, with the host loop and with the device-resident one
+    (a compiled runtime's: its steps recorded in CUDA graphs); and the device-resident run's methods."""
     runs = []
     for device_loops in (False, True):
         runtime.device_loops = device_loops
-        proposer = DrafterProposer(drafter, static=True, compiled=runtime.compiled, log=logging.getLogger("test"))
-        methods = {Method("eagle3", k): EagleChain(proposer, k)}
+        log = logging.getLogger("test")
+        methods = {Method("eagle3", k): EagleChain(DrafterProposer(drafter, static=True, compiled=runtime.compiled,
+                                                                   log=log), k)}
+        for setting in TREES:
+            methods[Method("eagle3", setting.num_steps, setting)] = TreeDrafter(drafter, setting, runtime.compiled,
+                                                                                log)
         runs.append(decode_prompt(runtime, methods, "p", ids, max_new, eos, strict=True))  # strict: lossless
-    return runs[0], runs[1], proposer
+    return runs[0], runs[1], methods
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -47,18 +55,21 @@ def test_the_recorded_device_resident_loops_decode_what_the_host_loops_decode(tr
 
 
 def check_loops(runtime: TargetRuntime, drafter, store, k: int) -> None:
-    runtime.prepare([k])
-    accepted = 0
+    runtime.prepare([k], [tree.rows_ahead for tree in TREES])
+    accepted = {}
     for j in range(3):
         ids = HiddenStore(store).sequence(j)["input_ids"][:12].tolist()
-        host, device, proposer = both_loops(runtime, drafter, ids, k, 24, set())
+        host, device, methods = both_loops(runtime, drafter, ids, k, 24, set())
         for method in host:
             fields = ("tokens", "accepted", "drafted", "target_forwards")
             assert [getattr(device[method], f) for f in fields] == [getattr(host[method], f) for f in fields], method
+            assert device[method].loop == "device" and host[method].loop == "host"
+            accepted[method] = accepted.get(method, 0) + sum(device[method].accepted)
         assert len(device["target"].tokens) == 24 and device["target"].target_forwards == 23
-        accepted += sum(device[f"eagle3@k={k}"].accepted)
-        if runtime.compiled:  # the chain's steps replayed the one graph recorded for this cache, not eager kernels
-            assert proposer.device_steps.calls is not None and len(proposer.device_steps.calls.graphs) == 1
+        if runtime.compiled:  # every method's steps replayed the one graph recorded for this cache, not eager kernels
+            for proposer in methods.values():
+                recorded = (proposer if isinstance(proposer, TreeDrafter) else proposer.proposer).recorded_step
+                assert recorded.calls is not None and len(recorded.calls.graphs) == 1
         # an end-of-sequence token ends both loops at the same token (the device loop has one step in flight then)
         eos = {host["target"].tokens[9]}
         host_eos, device_eos, _ = both_loops(runtime, drafter, ids, k, 24, eos)
@@ -66,7 +77,8 @@ def check_loops(runtime: TargetRuntime, drafter, store, k: int) -> None:
             assert device_eos[method].tokens == host_eos[method].tokens
             assert device_eos[method].target_forwards == host_eos[method].target_forwards
             assert device_eos[method].tokens[-1] in eos and len(device_eos[method].tokens) <= 10
-    assert accepted > 0  # the trained drafter's drafts are accepted: the acceptance arithmetic ran on real matches
+    # the trained drafter's drafts are accepted: the acceptance arithmetic ran on real matches, chain and trees
+    assert all(count > 0 for method, count in accepted.items() if method != "target"), accepted
 
 
 @pytest.mark.slow
@@ -126,3 +138,107 @@ def test_the_verified_step_accepts_the_matching_prefix_and_the_bonus_token(train
     bonus = predictions[accepted]
     assert report.tolist() == [accepted, *drafts[:accepted], *[bonus] * (k + 1 - accepted)]
     assert state[:2].tolist() == [n + accepted + 1, bonus] and [int(x) for x in lengths] == [n + accepted + 1] * 3
+
+
+def oracle_tree() -> Draft:
+    """root -> 1 (a), 2 (b); 1 -> 3 (c), 4 (d); 2 -> 5 (e); 3 -> 6 (f): tokens 11..16, depths up to 3."""
+    return Draft(tokens=[11, 12, 13, 14, 15, 16], parents=[0, 0, 1, 1, 2, 3], depths=[1, 1, 2, 2, 2, 3])
+
+
+def test_the_tree_state_on_the_device_is_the_host_loops_tree(trained_tiny):
+    """The ancestry and the verify's mask and positions that the device-resident loop computes equal the host
+    loop's (Draft.visible, TargetRuntime.forward_tree's inputs)."""
+    from eagle3_pipeline.runtime.pipelined import TreeState, ancestry
+
+    target, _, _ = trained_tiny
+    runtime = TargetRuntime(target.model, [1, 2, 3], static=True)
+    tree, n = oracle_tree(), 9
+    assert torch.equal(ancestry(torch.tensor([0, *tree.parents]), 3), tree.visible())
+    cache = runtime.new_cache(16)
+    runtime.forward(list(range(1, n + 1)), cache)  # n rows cached
+    host = runtime._tree_inputs([5, *tree.tokens], [n + d for d in [0, *tree.depths]], tree.visible(), cache, 7)
+    state = TreeState.empty(7, int(cache.get_max_length()), torch.float32, torch.device("cpu"))
+    state.set(torch.tensor([n]), torch.tensor([5, *tree.tokens]), torch.tensor([0, *tree.parents]),
+              torch.tensor([0, *tree.depths]), 3)
+    assert torch.equal(state.mask, host["attention_mask"]) and torch.equal(state.positions, host["position_ids"])
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("predictions", "path"), [
+    ([11, 13, 15, 16, 40, 40, 41], [1, 3, 6]),  # a -> c -> f, bonus from f
+    ([12, 40, 15, 40, 40, 40, 40], [2, 5]),  # b -> e, bonus from e
+    ([11, 14, 40, 40, 40, 40, 40], [1, 4]),  # a -> d
+    ([40, 40, 40, 40, 40, 40, 40], []),  # nothing: the root's bonus
+])
+def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(trained_tiny, predictions, path):
+    """Every kind of path through a 7-node tree, forced through the verify's logits: the step's report, the target
+    cache's rows (the path's moved down after the root's) and lengths, and the next tree's state follow the host
+    loop's arithmetic (Draft.accept, keep_rows)."""
+    from eagle3_pipeline.runtime.pipelined import TreeState, verified_tree_step
+    from eagle3_pipeline.runtime.tree_graph import TreeRows
+
+    _, drafter, _ = trained_tiny
+    tree, n, width, steps, slots = oracle_tree(), 20, 7, 3, 64
+    vocab = drafter.embed_tokens.weight.shape[0]
+    logits = torch.nn.functional.one_hot(torch.tensor(predictions), vocab).float()
+    state = TreeState.empty(width, slots, torch.float32, torch.device("cpu"))
+    state.set(torch.tensor([n]), torch.tensor([7, *tree.tokens]), torch.tensor([0, *tree.parents]),
+              torch.tensor([0, *tree.depths]), steps)
+    layers = [torch.randn(1, 2, slots, 4) for _ in range(4)]  # two layers' keys and values
+    before = [tensor.clone() for tensor in layers]
+    lengths = [torch.tensor(n + width) for _ in range(2)]  # the verify wrote the tree's rows
+    proposer = DrafterProposer(drafter, static=True)
+    proposer.reset(slots)
+    rows = TreeRows.empty(drafter, (steps - 1) * 2)
+    aux = torch.randn(width, 3 * drafter.config.target_hidden_size)
+    (report,) = verified_tree_step(logits, aux, state, lengths, layers, drafter, proposer.cache, rows, steps, 2)
+    expected_path, bonus = tree.accept(predictions)
+    assert expected_path == path
+    accepted = len(path)
+    tokens = [tree.tokens[node - 1] for node in path] + [bonus] * (steps + 1 - accepted)
+    assert report.tolist() == [accepted, 3, *tokens]
+    assert [int(length) for length in lengths] == [n + 1 + accepted] * 2
+    for moved, original in zip(layers, before, strict=True):
+        kept = [*range(n + 1), *(n + node for node in path)]
+        assert torch.equal(moved[:, :, :n + 1 + accepted], original[:, :, kept])
+    assert int(state.n) == n + accepted + 1 and int(state.ids[0, 0]) == bonus
+    assert state.positions[0].tolist() == [n + accepted + 1 + d for d in state.depths.tolist()]
+    assert int(state.depths[0]) == 0 and (state.depths[1:] >= 1).all() and state.visible[:, 0].all()
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_the_fused_verified_tree_step_equals_the_eager_one_as_one_graph(trained_tiny):
+    """On a GPU the device-resident tree records `fused(verified_tree_step)` (inductor's kernels); here the same
+    compiled function runs on the CPU against the eager one, from the same state, as one graph without breaks."""
+    from eagle3_pipeline.runtime.draft_graph import fused
+    from eagle3_pipeline.runtime.pipelined import TreeSteps, verified_tree_step
+
+    target, drafter, store = trained_tiny
+    ids = HiddenStore(store).sequence(0)["input_ids"][:16].tolist()
+    setting = TreeSetting(3, 2, 5)
+
+    def arguments() -> dict:
+        """A tree's verify right after the prompt (a runtime and tree drafter of their own each time)."""
+        runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
+        runtime.prepare([3], [setting.rows_ahead])
+        cache = runtime.new_cache(len(ids) + 8)
+        _, features = runtime.forward(ids[:-1], cache)
+        tree_drafter = TreeDrafter(drafter, setting)
+        tree_drafter.reset(64)
+        steps = TreeSteps(tree_drafter)
+        steps.begin(runtime, cache, list(ids), features)
+        logits, aux = steps.verify(runtime, cache)
+        return {"logits": logits, "aux": aux, "tree": steps.state, "lengths": steps.lengths, "layers": steps.layers,
+                "drafter": drafter, "cache": tree_drafter.proposer.cache, "rows": tree_drafter.rows,
+                "steps": setting.num_steps, "topk": setting.topk}
+
+    eager_arguments, fused_arguments = arguments(), arguments()
+    (eager,) = verified_tree_step(**eager_arguments)
+    (compiled,) = fused(verified_tree_step)(**fused_arguments)
+    assert torch.equal(compiled, eager)
+    for mine, theirs in zip(fused_arguments["tree"].tensors(), eager_arguments["tree"].tensors(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert [int(t) for t in fused_arguments["lengths"]] == [int(t) for t in eager_arguments["lengths"]]
+    explained = torch._dynamo.explain(verified_tree_step)(**arguments())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0

@@ -8,6 +8,7 @@ import re
 import pytest
 import yaml
 
+from eagle3_pipeline import workflow_config
 from eagle3_pipeline.workflow_config import ConfigError, check, check_schema
 from tests.conftest import REPO, base_config
 
@@ -156,3 +157,12 @@ def test_a_chat_template_must_exist_and_parse(tmp_path):
     good.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
     config["target"]["chat_template"] = str(good)
     assert check(config).chat_template_file == str(good)
+
+
+def test_the_timing_pass_times_the_named_prompt_sets_or_all():
+    evaluated = ["mtbench-package", "held-out"]
+    assert workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": None}}}, evaluated) == evaluated
+    assert workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": ["held-out"]}}}, evaluated) == [
+        "held-out"]
+    with pytest.raises(ConfigError, match=r"evaluate\.timing\.prompt_sets: \['humaneval'\] are not prompt sets"):
+        workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": ["humaneval"]}}}, evaluated)

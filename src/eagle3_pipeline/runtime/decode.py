@@ -88,6 +88,8 @@ class TargetRuntime:
         # greedy and chain decoding with the loop's state on the device (pipelined.py): the compiled runtime's
         # loops; a benchmark turns it off to time the host loops on the same runtime
         self.device_loops = compiled
+        # draft trees in those loops too (off: trees in the host loop, chains and the target alone on the device)
+        self.device_trees = True
         if compiled:
             claim_for_compilation(model)
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
@@ -103,11 +105,11 @@ class TargetRuntime:
             self.captured[slot] = output[0] if isinstance(output, tuple) else output
         return capture
 
-    def prepare(self, draft_lengths: list[int], tree_tokens: list[int] | tuple[int, ...] = ()) -> None:
-        """Verify widths to expect: k + 1 for every draft length k (the compiled widths), and a tree's
-        num_draft_tokens (rows one tree verify writes): together the room a cache keeps beyond a sequence."""
+    def prepare(self, draft_lengths: list[int], tree_rows: list[int] | tuple[int, ...] = ()) -> None:
+        """Verify widths to expect: k + 1 for every draft length k (the compiled widths), and the rows a tree's step
+        writes beyond a sequence (`TreeSetting.rows_ahead`): together the room a cache keeps beyond a sequence."""
         self.widths = sorted({1, *(k + 1 for k in draft_lengths), self.prefill_width})
-        self.headroom = max([*self.widths, *tree_tokens])
+        self.headroom = max([*self.widths, *tree_rows])
 
     @torch.inference_mode()  # the cache's tensors are inference tensors: update them only in inference mode
     def new_cache(self, tokens: int) -> Any:
@@ -230,6 +232,20 @@ class TargetRuntime:
         logits, aux, failed = self._through_step(padded, cache, "tree verify", **inputs)
         self.tree_step_failed = failed  # trees verify eagerly from now on, the chain's steps stay compiled
         return logits[:count].clone(), aux[:count].clone()  # a CUDA graph's outputs: the next replay's
+
+    @torch.inference_mode()
+    def forward_tree_device(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft tree already on the device (ids and positions [1, T], its additive mask [1, 1, T, slots]: the
+        device-resident loop's tree, pipelined.TreeState) through the compiled tree verify, reading nothing back
+        (`forward_tree` with its inputs made). The outputs may be a captured graph's: consume them before the next
+        call."""
+        inputs = {"position_ids": positions, "attention_mask": mask}
+        if self.step is None or self.tree_step_failed:
+            return self._run(self.model.forward, ids, cache, **inputs)
+        logits, aux, failed = self._through_step(ids, cache, "tree verify", **inputs)
+        self.tree_step_failed = failed
+        return logits, aux
 
     def _tree_inputs(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any,
                      width: int) -> dict[str, torch.Tensor]:

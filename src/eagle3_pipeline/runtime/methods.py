@@ -37,6 +37,12 @@ class TreeSetting:
         return Method(drafter, self.num_steps, self).name
 
     @property
+    def rows_ahead(self) -> int:
+        """Cache slots a step of this tree may use beyond a sequence: its verify's rows, after the tokens of a step
+        the device-resident loop launched before it read that the sequence ended."""
+        return self.num_draft_tokens + self.num_steps
+
+    @property
     def sglang_flags(self) -> str:
         return (f"--speculative-num-steps {self.num_steps} --speculative-eagle-topk {self.topk} "
                 f"--speculative-num-draft-tokens {self.num_draft_tokens}")

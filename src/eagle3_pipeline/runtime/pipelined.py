@@ -1,17 +1,24 @@
-"""Target-only greedy and the EAGLE-3 chain with the decoding loop's state on the device (compiled runtimes).
+"""The decoding loop with its state on the device (compiled runtimes): the twin of speculative.py's host loop.
 
 The host loop (speculative.py `decode`) reads every step's outcome back - the argmax, the accepted drafts -
 before it launches the next step, so the device idles while Python dispatches it: on an H200 the compiled SmolLM2
 step is 1.4 ms of kernels and ~0.9 ms of host work, one after the other. Here each step's inputs are computed on the
 device from the last step's outputs, and the host reads a step's tokens back one step late (a non-blocking copy
 into pinned memory): it dispatches step t+1 while the device runs step t, as a server's overlap scheduler does.
-Target-only greedy runs the same way, so the speedups compare like with like.
 
-A chain step after the first is the compiled target verify of [bonus, d1..dk], then one recorded graph
-(`verified_step`): the accepted count and the bonus token from the verify's argmax, the target cache's rejected
-rows forgotten, the new real rows (accepted drafts and bonus, padded to k + 1 as `DrafterProposer.real_rows` pads
-them) into the drafter's cache, the next k drafts, and the next verify's ids written into the loop's state.
-The tokens, accepted counts and verify forwards are those of the host loops (tested). A step launched while the
+One loop (`decode_on_device`) runs every method whose drafts come from the device; a method's `DeviceSteps` say
+how it verifies and advances:
+- `GreedySteps`, the target alone: each step's input is the last step's argmax (so the speedups compare like with
+  like);
+- `ChainSteps`, an EAGLE-3 chain of k: the compiled target verify of [bonus, d1..dk], then one recorded graph
+  (`verified_step`): the accepted count and the bonus token from the verify's argmax, the target cache's rejected
+  rows forgotten, the new real rows (accepted drafts and bonus, padded to k + 1 as `DrafterProposer.real_rows` pads
+  them) into the drafter's cache, the next k drafts, and the next verify's ids written into the loop's state;
+- `TreeSteps`, an EAGLE-3 draft tree (SGLang's setting): the compiled target verify of the tree with its mask, then
+  one recorded graph (`verified_tree_step`): the accepted path from the verify's argmax and the tree's ancestry, its
+  rows moved down the target cache (the rest forgotten), the path's real rows into the drafter's cache, the next
+  tree (tree_graph.tree_steps), and the next verify's ids, positions and mask written into the loop's state.
+The tokens, accepted counts and verify forwards are those of the host loop (tested). A step launched while the
 host has not yet read that the sequence ended is dropped uncounted; its time counts. Draft and verify times per
 step are the device's (CUDA events), since the host no longer waits for either.
 """
@@ -19,7 +26,9 @@ step are the device's (CUDA events), since the host no longer waits for either.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -27,86 +36,7 @@ from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, chain_steps
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
-
-
-def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, lengths: list[torch.Tensor],
-                  drafter: Any, cache: Any, k: int) -> tuple[torch.Tensor]:
-    """After the verify of state[1:] = [x_n, d1..dk] (logits [k+1, V], aux features [k+1, 3H]) at rows
-    state[0] = n..n+k: forget the rejected rows (`lengths`: the target cache layers' lengths), draft the next k from
-    the accepted rows, and write [n + accepted + 1, bonus, next drafts] into `state`. Returns [accepted, the k + 1
-    new tokens: the accepted drafts, then the bonus token repeated]."""
-    n, verified = state[0], state[1:]
-    predictions = logits.argmax(-1)
-    accepted = (verified[1:] == predictions[:k]).long().cumprod(0).sum()
-    bonus = predictions.index_select(0, accepted.view(1))
-    index = torch.arange(k + 1, device=state.device)
-    tokens = torch.where(index < accepted, torch.cat([verified[1:], bonus]), bonus)
-    # one multi-tensor kernel for every layer's length, not one per layer (a tensor list: a 0-d tensor operand
-    # would be read back to the host, a graph break)
-    torch._foreach_sub_(lengths, [k - accepted] * len(lengths))
-    hidden = aux.index_select(0, torch.minimum(index, accepted)).to(drafter.fc.weight.dtype)
-    drafts, _, _ = chain_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, k)
-    state.copy_(torch.cat([(n + accepted + 1).view(1), bonus, drafts]))
-    return (torch.cat([accepted.view(1), tokens]),)
-
-
-class VerifiedSteps:
-    """`verified_step` with a drafter's static cache: on CUDA replayed from a CUDA graph of inductor's kernels,
-    recorded on first use per (drafter cache, k, target cache's length tensors); eagerly elsewhere. Kept with its
-    proposer (`DrafterProposer.device_steps`), with one loop state per k, so that every prompt replays the same
-    graphs."""
-
-    def __init__(self, proposer: DrafterProposer, log: Any = None):
-        self.proposer, self.log = proposer, log
-        self.calls = CapturedCalls(verified_step, fuse=True, log=log) if proposer.captured is not None else None
-        self.states: dict[int, torch.Tensor] = {}
-        self.lengths: list[torch.Tensor] | None = None
-        self.lengths_key: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, proposer: DrafterProposer, log: Any = None) -> VerifiedSteps:
-        if proposer.device_steps is None:
-            proposer.device_steps = cls(proposer, log)
-        return proposer.device_steps
-
-    def start(self, n: int, token: int, drafts: torch.Tensor) -> torch.Tensor:
-        """The loop state [n, x_n, d1..dk] of a sequence whose target has seen n rows (x_n not yet)."""
-        k = len(drafts)
-        if k not in self.states:
-            self.states[k] = torch.empty(k + 2, dtype=torch.int64, device=drafts.device)
-        state = self.states[k]
-        state[:2].copy_(torch.tensor([n, token]), non_blocking=True)
-        state[2:].copy_(drafts)
-        return state
-
-    def __call__(self, logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, lengths: list[torch.Tensor],
-                 k: int) -> torch.Tensor:
-        fixed = {"state": state, "lengths": lengths, "drafter": self.proposer.drafter, "cache": self.proposer.cache,
-                 "k": k}
-        if self.calls is None:
-            return verified_step(logits, aux, **fixed)[0]
-        if lengths is not self.lengths:  # a sequence's target cache: its layers' length tensors, by address
-            self.lengths, self.lengths_key = lengths, tuple(length.data_ptr() for length in lengths)
-        key = (*cache_key(self.proposer.cache), k, *self.lengths_key)
-        if key not in self.calls.graphs and not self._record(key, logits, aux, fixed):
-            return verified_step(logits, aux, **fixed)[0]
-        return self.calls(key, {"logits": logits, "aux": aux}, **fixed)[0]
-
-    def _record(self, key: tuple[int, ...], logits: torch.Tensor, aux: torch.Tensor, fixed: dict[str, Any]) -> bool:
-        """Record the graph for `key` (it runs the step three times, whose effects on the loop state and the target
-        cache's lengths are undone); False, logged, where recording fails: the steps run eagerly from then on."""
-        mutated = (fixed["state"], *fixed["lengths"])
-        saved = [tensor.clone() for tensor in mutated]
-        try:
-            self.calls(key, {"logits": logits, "aux": aux}, **fixed)
-        except Exception as exc:  # capture unsupported here (the drafter cache's rows land at their positions again)
-            if self.log is not None:
-                self.log.warning("device-resident chain step: CUDA graph failed (%s: %s); running it eagerly",
-                                 type(exc).__name__, str(exc)[:300])
-            self.calls = None
-        for tensor, value in zip(mutated, saved, strict=True):
-            tensor.copy_(value)
-        return self.calls is not None
+from eagle3_pipeline.runtime.tree_graph import TreeRows, tree_steps
 
 
 class LateReader:
@@ -166,7 +96,87 @@ class PhaseClock:
         return seconds
 
 
-def run_ahead(trace: Trace, launch: Any, reader: LateReader, record: Any, max_new: int, eos: set[int]) -> None:
+class DeviceSteps(Protocol):
+    """A method's steps in the device-resident loop. `drafting` False: the target alone; `width`: integers each
+    step reports to the host."""
+    drafting: bool
+    width: int
+
+    def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
+        """The loop's state after the prompt (a drafting method: its first drafts, from the prompt's rows)."""
+        ...
+
+    def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward over the state's next verify ids: logits and aux features."""
+        ...
+
+    def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """Accept, commit and draft on the device, the next verify's inputs into the state: the step's report."""
+        ...
+
+    def read(self, values: list[int]) -> tuple[int, int, list[int]]:
+        """A report read back: (drafts accepted, longest path offered, the step's new tokens)."""
+        ...
+
+    def end(self) -> None:
+        """After the sequence (a drafter's rows were written on the device: the host's count of them is stale)."""
+        ...
+
+
+@torch.inference_mode()  # the caches' tensors are inference tensors
+def decode_on_device(target: TargetRuntime, steps: DeviceSteps, prompt_ids: list[int], max_new: int, eos: set[int],
+                     prompt_id: str, method: str) -> Trace:
+    """Decode one prompt with the loop's state on the device: prefill, begin, then verify -> advance steps launched
+    one ahead of reading their reports (`run_ahead`), until max_new tokens or the end of the sequence."""
+    trace = Trace(prompt_id, method, [], loop="device")
+    start = time.perf_counter()
+    cache, features, context = prefill(target, prompt_ids, max_new, trace)
+    clock, drafting = PhaseClock(target.device), steps.drafting
+    if drafting:
+        clock.start()
+    steps.begin(target, cache, context, features)
+    if drafting:
+        clock.mark("draft")  # the prompt's rows, then the first drafts
+    reader = LateReader(steps.width, target.device)
+
+    def launch() -> None:
+        clock.start()
+        logits, aux = steps.verify(target, cache)
+        clock.mark("verify")
+        reader.push(steps.advance(logits, aux))
+        if drafting:
+            clock.mark("draft")
+
+    def record(values: list[int]) -> None:
+        accepted, drafted, tokens = steps.read(values)
+        if drafting:
+            trace.accepted.append(accepted)
+            trace.drafted.append(drafted)
+        trace.target_forwards += 1
+        append_until_eos(trace, context, tokens, eos)
+
+    run_ahead(trace, launch, reader, record, max_new, eos)
+    synchronize(target.device)
+    steps.end()
+    return finish(trace, clock, drafting, start, max_new)
+
+
+def finish(trace: Trace, clock: PhaseClock, drafting: bool, start: float, max_new: int) -> Trace:
+    trace.tokens = trace.tokens[:max_new]
+    trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
+    first = 1 if drafting else 0  # a drafting method's clock starts with the prompt's drafting
+    seconds = clock.totals(first + trace.target_forwards)
+    trace.verify_seconds = seconds["verify"]
+    if drafting:
+        trace.draft_seconds = seconds["draft"]
+        trace.prompt_draft_seconds = clock.totals(1)["draft"]
+    else:
+        trace.target_forwards = max(trace.target_forwards, 1)  # as the host loop counts a prompt ended by its prefill
+    return trace
+
+
+def run_ahead(trace: Trace, launch: Callable[[], None], reader: LateReader, record: Callable[[list[int]], None],
+              max_new: int, eos: set[int]) -> None:
     """Launch steps one ahead of reading them: `launch()` queues a step and pushes its result, `record(values)` takes
     a read result into the trace. A step read after the sequence ended (max_new tokens or end of sequence) is
     dropped."""
@@ -189,76 +199,270 @@ def run_ahead(trace: Trace, launch: Any, reader: LateReader, record: Any, max_ne
             record(values)
 
 
-@torch.inference_mode()  # the caches' tensors are inference tensors
-def greedy_on_device(target: TargetRuntime, prompt_ids: list[int], max_new: int, eos: set[int], prompt_id: str
-                     ) -> Trace:
-    """Target-only greedy decoding, each step's input the last step's argmax on the device."""
-    trace = Trace(prompt_id, "target", [], loop="device")
-    start = time.perf_counter()
-    cache, _, context = prefill(target, prompt_ids, max_new, trace)
-    token = torch.tensor([[context[-1]]], device=target.device)
-    reader, clock = LateReader(1, target.device), PhaseClock(target.device)
+class GreedySteps:
+    """The target alone: each step's input is the last step's argmax, on the device."""
+    drafting = False
+    width = 1
 
-    def launch() -> None:
-        nonlocal token
-        clock.start()
-        logits, _ = target.forward_device(token, cache)
-        token = logits[-1:].argmax(-1, keepdim=True)
-        clock.mark("verify")
-        reader.push(token[0])
+    def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
+        self.token = torch.tensor([[context[-1]]], device=target.device)
 
-    def record(values: list[int]) -> None:
-        trace.target_forwards += 1
-        append_until_eos(trace, context, values, eos)
+    def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return target.forward_device(self.token, cache)
 
-    run_ahead(trace, launch, reader, record, max_new, eos)
-    synchronize(target.device)
-    trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
-    trace.verify_seconds = clock.totals(trace.target_forwards)["verify"]
-    trace.target_forwards = max(trace.target_forwards, 1)  # as the host loop counts a prompt ended by its prefill
-    return trace
+    def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        self.token = logits[-1:].argmax(-1, keepdim=True)
+        return self.token[0]
+
+    def read(self, values: list[int]) -> tuple[int, int, list[int]]:
+        return 0, 0, values
+
+    def end(self) -> None:
+        pass
 
 
-@torch.inference_mode()
-def chain_on_device(target: TargetRuntime, proposer: DrafterProposer, prompt_ids: list[int], k: int, max_new: int,
-                    eos: set[int], prompt_id: str, method: str) -> Trace:
-    """EAGLE-3 chain decoding, each verify step's drafts and the next verify's ids computed on the device."""
-    if 4 * k + 2 > target.headroom:  # never with the 64-token prefill width, which sets the headroom
-        raise ValueError(f"the device-resident chain at k={k} runs steps past the end (one past the sequence, two "
-                         f"more while recording): its caches need {4 * k + 2} slots beyond the sequence, they keep "
-                         f"{target.headroom}")
-    trace = Trace(prompt_id, method, [], loop="device")
-    start = time.perf_counter()
-    cache, features, context = prefill(target, prompt_ids, max_new, trace)
-    clock = PhaseClock(target.device)
-    clock.start()
-    drafts, _ = proposer.chain(context, features, k)  # the prompt's rows, then the first chain
-    clock.mark("draft")
-    steps, reader = VerifiedSteps.of(proposer, target.log), LateReader(k + 2, target.device)
-    state = steps.start(len(context) - 1, context[-1], drafts)
-    lengths = [layer.cumulative_length for layer in cache.layers]
+class RecordedStep:
+    """A loop's step (a tensors-only function returning one tensor) replayed on CUDA from CUDA graphs of inductor's
+    kernels, recorded on first use per key (what the graph reads and writes besides its inputs: the caches and the
+    loop state); eagerly elsewhere, or once recording failed (logged). Kept with its proposer, with the loop
+    states (`buffers`, by shape), so that every prompt replays the same graphs."""
 
-    def launch() -> None:
-        clock.start()
-        logits, aux = target.forward_device(state[1:][None], cache)
-        clock.mark("verify")
-        reader.push(steps(logits, aux, state, lengths, k))
-        clock.mark("draft")
+    def __init__(self, step: Callable[..., tuple[torch.Tensor]], on_cuda: bool, what: str, log: Any = None):
+        self.step, self.what, self.log = step, what, log
+        self.calls = CapturedCalls(step, fuse=True, log=log) if on_cuda else None
+        self.buffers: dict[tuple[int, ...], Any] = {}
 
-    def record(values: list[int]) -> None:
-        accepted = values[0]
-        trace.accepted.append(accepted)
-        trace.drafted.append(k)
-        trace.target_forwards += 1
-        append_until_eos(trace, context, values[1:accepted + 2], eos)
+    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], mutated: tuple[torch.Tensor, ...],
+                 **fixed: Any) -> torch.Tensor:
+        """`mutated`: the tensors the step changes besides its output (loop state, cache lengths and rows)."""
+        if self.calls is not None and (key in self.calls.graphs or self._record(key, inputs, mutated, fixed)):
+            return self.calls(key, inputs, **fixed)[0]
+        return self.step(**inputs, **fixed)[0]
 
-    run_ahead(trace, launch, reader, record, max_new, eos)
-    synchronize(target.device)
-    trace.tokens = trace.tokens[:max_new]
-    trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
-    seconds = clock.totals(1 + trace.target_forwards)  # the prompt's chain, then the recorded steps
-    trace.draft_seconds, trace.verify_seconds = seconds["draft"], seconds["verify"]
-    trace.prompt_draft_seconds = clock.totals(1)["draft"]  # the prompt's rows and first chain
-    proposer.reset()  # its rows were written on the device: the host's count of them is stale
-    return trace
+    def _record(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], mutated: tuple[torch.Tensor, ...],
+                fixed: dict[str, Any]) -> bool:
+        """Record the graph for `key` (it runs the step three times, whose effects on `mutated` are undone; the
+        drafter's rows land at their positions again); False, logged, where recording fails."""
+        saved = [tensor.clone() for tensor in mutated]
+        try:
+            self.calls(key, inputs, **fixed)
+        except Exception as exc:  # capture unsupported here
+            if self.log is not None:
+                self.log.warning("%s: CUDA graph failed (%s: %s); running it eagerly", self.what, type(exc).__name__,
+                                 str(exc)[:300])
+            self.calls = None
+        for tensor, value in zip(mutated, saved, strict=True):
+            tensor.copy_(value)
+        return self.calls is not None
 
+
+def lengths_of(cache: Any) -> list[torch.Tensor]:
+    """The target cache's per-layer length tensors (static layers), which a recorded step rewinds."""
+    return [layer.cumulative_length for layer in cache.layers]
+
+
+def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, lengths: list[torch.Tensor],
+                  drafter: Any, cache: Any, k: int) -> tuple[torch.Tensor]:
+    """After the verify of state[1:] = [x_n, d1..dk] (logits [k+1, V], aux features [k+1, 3H]) at rows
+    state[0] = n..n+k: forget the rejected rows (`lengths`: the target cache layers' lengths), draft the next k from
+    the accepted rows, and write [n + accepted + 1, bonus, next drafts] into `state`. Returns [accepted, the k + 1
+    new tokens: the accepted drafts, then the bonus token repeated]."""
+    n, verified = state[0], state[1:]
+    predictions = logits.argmax(-1)
+    accepted = (verified[1:] == predictions[:k]).long().cumprod(0).sum()
+    bonus = predictions.index_select(0, accepted.view(1))
+    index = torch.arange(k + 1, device=state.device)
+    tokens = torch.where(index < accepted, torch.cat([verified[1:], bonus]), bonus)
+    # one multi-tensor kernel for every layer's length, not one per layer (a tensor list: a 0-d tensor operand
+    # would be read back to the host, a graph break)
+    torch._foreach_sub_(lengths, [k - accepted] * len(lengths))
+    hidden = aux.index_select(0, torch.minimum(index, accepted)).to(drafter.fc.weight.dtype)
+    drafts, _, _ = chain_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, k)
+    state.copy_(torch.cat([(n + accepted + 1).view(1), bonus, drafts]))
+    return (torch.cat([accepted.view(1), tokens]),)
+
+
+class ChainSteps:
+    """An EAGLE-3 chain of k in the device-resident loop. Its state [n, x_n, d1..dk] and recorded step
+    (`verified_step`) are kept with the proposer (`DrafterProposer.recorded_step`)."""
+    drafting = True
+
+    def __init__(self, proposer: DrafterProposer, k: int, log: Any = None):
+        if proposer.recorded_step is None:
+            proposer.recorded_step = RecordedStep(verified_step, proposer.captured is not None,
+                                                  "device-resident chain step", log)
+        self.proposer, self.k, self.recorded = proposer, k, proposer.recorded_step
+        self.width = k + 2
+
+    def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
+        k = self.k
+        if 4 * k + 2 > target.headroom:  # never with the 64-token prefill width, which sets the headroom
+            raise ValueError(f"the device-resident chain at k={k} runs steps past the end (one past the sequence, two "
+                             f"more while recording): its caches need {4 * k + 2} slots beyond the sequence, they "
+                             f"keep {target.headroom}")
+        drafts, _ = self.proposer.chain(context, features, k)  # the prompt's rows, then the first chain
+        self.state = self.recorded.buffers.setdefault(
+            (k,), torch.empty(k + 2, dtype=torch.int64, device=drafts.device))
+        self.state[:2].copy_(torch.tensor([len(context) - 1, context[-1]]), non_blocking=True)
+        self.state[2:].copy_(drafts)
+        self.lengths = lengths_of(cache)
+        self.key = (*cache_key(self.proposer.cache), k, *(length.data_ptr() for length in self.lengths))
+
+    def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return target.forward_device(self.state[1:][None], cache)
+
+    def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return self.recorded(self.key, {"logits": logits, "aux": aux}, (self.state, *self.lengths), state=self.state,
+                             lengths=self.lengths, drafter=self.proposer.drafter, cache=self.proposer.cache, k=self.k)
+
+    def read(self, values: list[int]) -> tuple[int, int, list[int]]:
+        return values[0], self.k, values[1:values[0] + 2]
+
+    def end(self) -> None:
+        self.proposer.reset()
+
+
+@dataclass(frozen=True)
+class TreeState:
+    """A draft tree's loop state on the device, node 0 the root (the target's next token): the verify's inputs (ids
+    [1,T], positions [1,T], additive mask [1,1,T,slots]) and what accepting needs (rows the target has seen `n` [1],
+    parent node [T] - the root its own -, depth [T], ancestry [T,T])."""
+    n: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    visible: torch.Tensor
+
+    @classmethod
+    def empty(cls, width: int, slots: int, dtype: torch.dtype, device: torch.device) -> TreeState:
+        def integers(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+        return cls(integers(1), integers(1, width), integers(1, width),
+                   torch.zeros(1, 1, width, slots, dtype=dtype, device=device), integers(width), integers(width),
+                   torch.zeros(width, width, dtype=torch.bool, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.n, self.ids, self.positions, self.mask, self.parents, self.depths, self.visible
+
+    def set(self, n: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, steps: int
+            ) -> None:
+        """A tree of ids/parents/depths [T] (the root first) verified after n ([1]) cached rows."""
+        visible = ancestry(parents, steps)
+        self.n.copy_(n)
+        self.ids.copy_(ids[None])
+        self.positions.copy_((n + depths)[None])
+        self.mask.copy_(tree_mask(n, visible, self.mask.shape[-1], self.mask.dtype))
+        self.parents.copy_(parents)
+        self.depths.copy_(depths)
+        self.visible.copy_(visible)
+
+
+def ancestry(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[T, T] bool: node i sees node j when j is i or one of its ancestors (Draft.visible on the device; parents[0]
+    = 0, the root its own parent; `depth`: the tree's deepest level)."""
+    nodes = torch.arange(parents.shape[0], device=parents.device)
+    seen, ancestor = nodes[:, None] == nodes[None], nodes
+    for _ in range(depth):
+        ancestor = parents.index_select(0, ancestor)
+        seen = seen | (ancestor[:, None] == nodes[None])
+    return seen
+
+
+def tree_mask(n: torch.Tensor, visible: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, T, slots] of a tree verified at cache slots n..n+T-1: every cached row, then its
+    ancestors and itself (TargetRuntime.forward_tree's mask for a tree that fills its width)."""
+    width = visible.shape[0]
+    relative = torch.arange(slots, device=n.device) - n  # a slot's place in the tree, negative: cached
+    seen = visible.index_select(1, relative.clamp(0, width - 1))
+    allowed = (relative < 0)[None] | ((relative < width)[None] & seen)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=n.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState, lengths: list[torch.Tensor],
+                       layers: list[torch.Tensor], drafter: Any, cache: Any, rows: TreeRows, steps: int, topk: int
+                       ) -> tuple[torch.Tensor]:
+    """After the verify of `tree` (logits [T, V], aux features [T, 3H], written at target cache slots n..n+T-1):
+    the longest path whose every node's token is the target's argmax at its parent, and the bonus token; the
+    path's rows moved down to slots n+1.. of the target cache (`layers`: every layer's keys and values), the rest
+    forgotten (`lengths`); the path's real rows into the drafter's `cache` and the next tree drafted from them
+    (tree_graph.tree_steps); the next tree written into `tree`. Returns [accepted, the verified tree's depth, the
+    steps + 1 new tokens: the path's, then the bonus token repeated]."""
+    width = tree.parents.shape[0]
+    n, ids, device = tree.n, tree.ids[0], tree.n.device
+    nodes = torch.arange(width, device=device)
+    predictions = logits.argmax(-1)
+    matches = (ids == predictions.index_select(0, tree.parents)) | (nodes == 0)
+    on_path = ~(tree.visible & ~matches[None]).any(1)  # every node from the root down to it matches
+    accepted = on_path.long().sum() - 1
+    levels = torch.arange(1, steps + 1, device=device)
+    path = (on_path[None] & (tree.depths[None] == levels[:, None])).long().argmax(1)  # node at depth d; 0 past it
+    last = (on_path.long() * (tree.depths + 1)).argmax()  # the deepest node on the path (siblings differ)
+    bonus = predictions.index_select(0, last.view(1))
+    index = torch.arange(steps + 1, device=device)
+    tokens = torch.where(index < accepted, torch.cat([ids.index_select(0, path), bonus]), bonus)
+    drafted = tree.depths.max().view(1)
+    source, moved = n + path, n + 1 + index[:steps]  # past the path: the root's row, into slots forgotten below
+    for tensor in layers:
+        tensor.index_copy_(2, moved, tensor.index_select(2, source))
+    torch._foreach_sub_(lengths, [width - 1 - accepted] * len(lengths))
+    real_rows = torch.cat([nodes[:1], path]).index_select(0, torch.minimum(index, accepted))  # root, path, padding
+    hidden = aux.index_select(0, real_rows).to(drafter.fc.weight.dtype)
+    (packed,) = tree_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, rows,
+                           steps, topk, width - 1)
+    root = nodes[:1]
+    tree.set(n + accepted + 1, torch.cat([bonus, packed[0].long()]), torch.cat([root, packed[1].long()]),
+             torch.cat([root, packed[2].long()]), steps)
+    return (torch.cat([accepted.view(1), drafted, tokens]),)
+
+
+class TreeSteps:
+    """An EAGLE-3 draft tree in the device-resident loop: the first tree drafted as the host loop drafts it
+    (`drafter.draft`, a tree.TreeDrafter), then verify -> `verified_tree_step`. The recorded step and the loop
+    states are kept with the tree drafter (`recorded_step`)."""
+    drafting = True
+
+    def __init__(self, drafter: Any, log: Any = None):
+        setting, proposer = drafter.setting, drafter.proposer
+        if drafter.recorded_step is None:
+            drafter.recorded_step = RecordedStep(verified_tree_step, proposer.captured is not None,
+                                                         "device-resident tree step", log)
+        self.drafter, self.proposer, self.recorded = drafter, proposer, drafter.recorded_step
+        self.steps, self.topk, self.tokens = setting.num_steps, setting.topk, setting.num_draft_tokens
+        self.width = self.steps + 3
+
+    def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
+        if (needed := self.tokens + self.steps) > target.headroom:
+            raise ValueError(f"the device-resident tree (steps={self.steps}, tokens={self.tokens}) runs a step past "
+                             f"the end: its caches need {needed} slots beyond the sequence, they keep "
+                             f"{target.headroom}")
+        draft = self.drafter.draft(context, features)  # the prompt's rows, then the first tree
+        slots, device = int(cache.get_max_length()), target.device
+        self.state = self.recorded.buffers.get((self.tokens, slots))
+        if self.state is None:
+            self.state = self.recorded.buffers[(self.tokens, slots)] = TreeState.empty(
+                self.tokens, slots, target.model.get_input_embeddings().weight.dtype, device)
+        columns = torch.tensor([[context[-1], *draft.tokens], [0, *draft.parents], [0, *draft.depths]])
+        ids, parents, depths = columns.to(device, non_blocking=True)
+        self.state.set(torch.tensor([len(context) - 1]).to(device, non_blocking=True), ids, parents, depths,
+                       self.steps)
+        self.lengths = lengths_of(cache)
+        self.layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+        self.key = (*cache_key(self.proposer.cache), self.tokens, *(length.data_ptr() for length in self.lengths))
+
+    def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return target.forward_tree_device(self.state.ids, self.state.positions, self.state.mask, cache)
+
+    def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        mutated = (*self.state.tensors(), *self.lengths, *self.layers)
+        return self.recorded(self.key, {"logits": logits, "aux": aux}, mutated, tree=self.state,
+                             lengths=self.lengths, layers=self.layers, drafter=self.proposer.drafter,
+                             cache=self.proposer.cache, rows=self.drafter.rows, steps=self.steps, topk=self.topk)
+
+    def read(self, values: list[int]) -> tuple[int, int, list[int]]:
+        return values[0], values[1], values[2:values[0] + 3]
+
+    def end(self) -> None:
+        self.drafter.reset()

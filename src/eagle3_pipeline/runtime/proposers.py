@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.pipelined import ChainSteps, DeviceSteps, GreedySteps
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class Proposer(Protocol):
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
         ...
 
+    def device_steps(self, target: Any) -> DeviceSteps | None:
+        """Its steps in the device-resident loop (pipelined.py) of a runtime that has one; None: host loop only."""
+        ...
+
 
 NOTHING = Draft.chain([])
 
@@ -111,6 +116,9 @@ class TargetAlone:
 
     def draft(self, context: list[int], features: torch.Tensor) -> Draft:
         return NOTHING
+
+    def device_steps(self, target: Any) -> DeviceSteps | None:
+        return GreedySteps()
 
 
 class PromptLookup:
@@ -135,6 +143,9 @@ class PromptLookup:
                         return Draft.chain(follow)
         return NOTHING
 
+    def device_steps(self, target: Any) -> DeviceSteps | None:
+        return None  # its drafts come from the host's context
+
 
 class EagleChain:
     """Chains of k drafts from an EAGLE-3 drafter (its KV cache kept by `proposer` across verify steps)."""
@@ -148,3 +159,6 @@ class EagleChain:
 
     def draft(self, context: list[int], features: torch.Tensor) -> Draft:
         return Draft.chain(self.proposer(context, features, self.k)[: self.k])
+
+    def device_steps(self, target: Any) -> DeviceSteps | None:
+        return ChainSteps(self.proposer, self.k, target.log)

@@ -31,7 +31,7 @@ from eagle3_pipeline.prompts import Prompt
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.methods import PROMPT_LOOKUP, TARGET, Method, TreeSetting
-from eagle3_pipeline.runtime.pipelined import chain_on_device, greedy_on_device
+from eagle3_pipeline.runtime.pipelined import DeviceSteps, decode_on_device
 from eagle3_pipeline.runtime.proposers import Draft, EagleChain, PromptLookup, Proposer, TargetAlone
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, tree_problem
@@ -203,17 +203,18 @@ def end_of_sequence(tokenizer: Any) -> set[int]:
 
 
 def method_table(drafters: dict[str, Drafter], ks: list[int], compiled: bool = False, log: Any = None,
-                 trees: tuple[TreeSetting, ...] = ()) -> dict[Method, Proposer]:
+                 trees: tuple[TreeSetting, ...] = (), static: bool = False) -> dict[Method, Proposer]:
     """The speculative methods (prompt lookup and each drafter's chains at every k, the trained drafter's trees) with
-    their proposers. `compiled`: chain drafters decode with a static cache, their chain replayed from a CUDA graph on
-    GPU, as the target's steps are compiled. Trees: the trained drafter only, one method per setting."""
+    their proposers. `static` (a static target cache): chain drafters decode with a static cache too; `compiled`:
+    their chain is also replayed from a CUDA graph on GPU, as the target's steps are compiled. Trees: the trained
+    drafter only, one method per setting."""
     methods: dict[Method, Proposer] = {}
     for k in ks:
         methods[Method(PROMPT_LOOKUP, k)] = PromptLookup(k)
         for name, drafter in drafters.items():
             if name.endswith("untrained") and k != ks[0]:
                 continue  # a baseline near tau=1: one draft length is enough
-            methods[Method(name, k)] = EagleChain(DrafterProposer(drafter, compiled=compiled, log=log), k)
+            methods[Method(name, k)] = EagleChain(DrafterProposer(drafter, static, compiled, log), k)
     for setting in trees if "eagle3" in drafters else ():
         tree = Method("eagle3", setting.num_steps, setting)
         methods[tree] = TreeDrafter(drafters["eagle3"], setting, compiled, log)
@@ -224,8 +225,8 @@ def prepared_methods(target: TargetRuntime, drafters: dict[str, Drafter], ks: li
                      trees: tuple[TreeSetting, ...] = ()) -> dict[Method, Proposer]:
     """The method table (trees this runtime can verify) and the target prepared for their step widths."""
     trees = usable_trees(target, trees, log)
-    target.prepare(ks, [tree.num_draft_tokens for tree in trees])
-    return method_table(drafters, ks, target.compiled, log, trees)
+    target.prepare(ks, [tree.rows_ahead for tree in trees])
+    return method_table(drafters, ks, target.compiled, log, trees, target.static)
 
 
 def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any) -> tuple[TreeSetting, ...]:
@@ -240,24 +241,33 @@ def usable_trees(target: TargetRuntime, trees: tuple[TreeSetting, ...], log: Any
 def decode_prompt(target: TargetRuntime, methods: dict[Method, Proposer], prompt_id: str, ids: list[int],
                   max_new: int, eos: set[int], strict: bool) -> dict[str, Trace]:
     """The target alone, then every method, back to back on one prompt: traces by method name; lossless checked when
-    `strict`. Where the runtime keeps its loops on the device (compiled), the target alone and the EAGLE-3 chain
-    decode there (pipelined.py); prompt lookup and trees, whose drafting reads the host's context or tree, decode in
-    the host loop."""
-    on_device = target.static and target.device_loops
-    reference = (greedy_on_device(target, ids, max_new, eos, prompt_id) if on_device
-                 else decode(target, TargetAlone(), ids, max_new, eos, prompt_id, TARGET))
+    `strict`. Where the runtime keeps its loops on the device (compiled), the target alone, the EAGLE-3 chains and
+    trees decode there (pipelined.py); prompt lookup, whose drafting reads the host's context, in the host loop."""
+    reference = decode_one(target, TargetAlone(), ids, max_new, eos, prompt_id, TARGET)
     finished = {TARGET: reference}
     for method, proposer in methods.items():
         # static: the drafter's cache of the target's size (an eager target's tau pass: grown as needed)
         proposer.reset(target.cache_size(len(ids) + max_new) if target.static else 0)
-        if on_device and isinstance(proposer, EagleChain):
-            trace = chain_on_device(target, proposer.proposer, ids, proposer.k, max_new, eos, prompt_id, method.name)
-        else:
-            trace = decode(target, proposer, ids, max_new, eos, prompt_id, method.name)
-        finished[method.name] = trace
+        finished[method.name] = trace = decode_one(target, proposer, ids, max_new, eos, prompt_id, method.name)
         if strict:
             check_lossless(trace, reference)
     return finished
+
+
+def decode_one(target: TargetRuntime, proposer: Proposer, ids: list[int], max_new: int, eos: set[int],
+               prompt_id: str, method: str) -> Trace:
+    """One prompt with one method, in the device-resident loop where the runtime and the method allow it."""
+    if (steps := device_steps(target, proposer)) is not None:
+        return decode_on_device(target, steps, ids, max_new, eos, prompt_id, method)
+    return decode(target, proposer, ids, max_new, eos, prompt_id, method)
+
+
+def device_steps(target: TargetRuntime, proposer: Proposer) -> DeviceSteps | None:
+    """How `proposer` decodes in the device-resident loop, None for the host loop: a runtime without those loops
+    (eager, or turned off), prompt lookup, trees where `target.device_trees` is off."""
+    if not (target.static and target.device_loops):
+        return None
+    return proposer.device_steps(target)
 
 
 def summarise_methods(by_method: dict[str, list[Trace]], log: Any) -> dict[str, Any]:

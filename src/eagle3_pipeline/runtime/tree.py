@@ -30,6 +30,7 @@ from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.kv_cache import has_sliding_layers
 from eagle3_pipeline.runtime.methods import TreeSetting
+from eagle3_pipeline.runtime.pipelined import DeviceSteps, TreeSteps
 from eagle3_pipeline.runtime.proposers import Draft
 from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_drafts
 
@@ -57,9 +58,13 @@ class TreeDrafter:
         self.proposer = DrafterProposer(drafter, static=True, compiled=compiled, log=log)  # prompts: its graphs
         self.drafter = self.proposer.drafter
         self.setting = setting
+        self.recorded_step: Any = None  # pipelined.RecordedStep: the device-resident tree step's graphs
 
     def reset(self, rows: int = 0) -> None:
         self.proposer.reset(rows)
+
+    def device_steps(self, target: Any) -> DeviceSteps | None:
+        return TreeSteps(self, target.log) if target.device_trees else None
 
     @torch.inference_mode()
     def draft(self, context: list[int], features: torch.Tensor) -> Draft:

@@ -15,7 +15,7 @@ from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
 from eagle3_pipeline.runtime.drafting import load_models
-from eagle3_pipeline.runtime.methods import TreeSetting, parse_settings
+from eagle3_pipeline.runtime.methods import Method, TreeSetting, parse_settings
 from eagle3_pipeline.runtime.speculative import (
     Trace,
     decode_prompt,
@@ -85,20 +85,26 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     return results
 
 
-def warm_up(target: TargetRuntime, methods: dict[str, Any], ids: list[int], max_new: int, eos: set[int],
+def warm_up(target: TargetRuntime, methods: dict[Method, Any], ids: list[int], max_new: int, eos: set[int],
             strict: bool, log: Any) -> None:
-    """Decode one prompt with every method, untimed. Should the device-resident loops fail here (their recording
-    is the newest part of the runtime), the pass goes on with host loops and says so, rather than losing the
-    timing of every method."""
-    try:
-        decode_prompt(target, methods, "warm-up", ids, max_new, eos, strict)
-    except Exception as error:
-        if not target.device_loops:
-            raise
-        log.exception("timing pass: the device-resident loops failed in the warm-up (%s: %s); timing host loops "
-                      "instead (results name each method's loop)", type(error).__name__, error)
-        target.device_loops = False
-        decode_prompt(target, methods, "warm-up", ids, max_new, eos, strict)
+    """Decode one prompt with every method, untimed. Should the device-resident loop fail here (its recording is
+    the newest part of the runtime), the pass goes on and says so, rather than losing the timing of every method:
+    first with the trees in the host loop (the newest steps), then with every method there."""
+    while True:
+        try:
+            decode_prompt(target, methods, "warm-up", ids, max_new, eos, strict)
+            return
+        except Exception as error:
+            if not target.device_loops:
+                raise
+            trees = target.device_trees and any(method.tree for method in methods)
+            log.exception("timing pass: the device-resident loop failed in the warm-up (%s: %s); timing %s in the "
+                          "host loop instead (results name each method's loop)", type(error).__name__, error,
+                          "the draft trees" if trees else "every method")
+            if trees:
+                target.device_trees = False
+            else:
+                target.device_loops = False
 
 
 def warm_up_prompts(target: TargetRuntime, encoded: dict[str, list[tuple[str, list[int]]]], max_new: int
