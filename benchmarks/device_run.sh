@@ -181,7 +181,10 @@ case $stage in
     if [ "${GPU_TESTS:-0}" = 1 ] && [ ! -e logs/gpu-tests ]; then
       mkdir -p logs/gpu-tests
       (for module in test_pipelined test_tree_graph; do
-         python3 -m pytest -q -p no:cacheprovider "tests/unit/$module.py" > "logs/gpu-tests/$module.txt" 2>&1
+         # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
+        # -rfE --tb=short: each failure's reason in the log
+        python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
+          > "logs/gpu-tests/$module.txt" 2>&1
        done) &
     fi
     # VLLM_SMOKE=1: once the run's target directory exists, vLLM (staged by device-stage-vllm.sh) on it alone,
