@@ -1,14 +1,15 @@
-"""Where a device-resident decode step's time goes: the timing pass's loops (target-only greedy and the EAGLE-3
-chain, pipelined.py) under the profiler, kernel by kernel, after the timing pass itself has run (warm-up and
-compilation done, every graph recorded).
+"""Where a device-resident decode step's time goes: the timing pass's loop (target-only greedy, the EAGLE-3 chain
+and draft trees, pipelined.py) under the profiler, kernel by kernel, after the timing pass itself has run (warm-up
+and compilation done, every graph recorded).
 
     python benchmarks/profile_loops.py --target smollm2-gguf --serving results/<run>/serving/drafter \
-        [--prompts 4] [--max-new 128] [--dtype bfloat16] [--out DIR] [--target-attention sdpa]
+        [--prompts 4] [--max-new 128] [--dtype bfloat16] [--out DIR] [--target-attention sdpa] [--trees 5,8,32]
 
-It prints the timing pass (target-only and chain, as the pipeline runs them), then per method: steps, kernels per
-step, device-busy time per step (kernels and copies), the step's span on the device's timeline (busy + idle) and
-the costliest kernels per step. `--out` also gets each method's Chrome trace (gzipped) and a per-step table of
-kernel names and durations (JSON), for reading offline. GPU only: on a CPU there are no device kernels to read.
+It prints the timing pass (target-only, the chain and the trees, as the pipeline runs them), then per method:
+steps, kernels per step, device-busy time per step (kernels and copies), the step's span on the device's timeline
+(busy + idle) and the costliest kernels per step. `--out` also gets each method's Chrome trace (gzipped) and a
+per-step table of kernel names and durations (JSON), for reading offline. GPU only: on a CPU there are no device
+kernels to read.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from eagle3_pipeline import assets
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
-from eagle3_pipeline.runtime.pipelined import ChainSteps, GreedySteps, decode_on_device
+from eagle3_pipeline.runtime.methods import TreeSetting
+from eagle3_pipeline.runtime.pipelined import ChainSteps, GreedySteps, TreeSteps, decode_on_device
 from eagle3_pipeline.runtime.speculative import encode_prompts, end_of_sequence
 from eagle3_pipeline.runtime.target import loading
+from eagle3_pipeline.runtime.tree import TreeDrafter
 from eagle3_pipeline.stages import evaluate_timing
 
 
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=Path("profile-loops"))
+    parser.add_argument("--trees", nargs="*", default=[], metavar="S,K,T",
+                        help="draft trees to profile too: num_steps,topk,num_draft_tokens")
     parser.add_argument("--target-attention", default=None,
                         help="transformers attention implementation of the target (default: the runtime's, grouped "
                              "matmuls over its static caches; `sdpa` for the comparison)")
@@ -105,8 +110,9 @@ def main() -> None:
                                         attention=args.target_attention)
         print(f"target attention: {decoder.attention}", flush=True)
         # the pipeline's timing pass first: its warm-up compiles and records every graph the loops replay
+        trees = tuple(TreeSetting(*(int(x) for x in tree.split(","))) for tree in args.trees)
         results = evaluate_timing.timing_pass(decoder, tokenizer, {"mtbench": prompts}, drafter, [args.k],
-                                              args.max_new, False, log)["mtbench"]
+                                              args.max_new, False, log, trees)["mtbench"]
         proposer = DrafterProposer(drafter, compiled=True, log=log)  # its own graphs, recorded below
         eos = end_of_sequence(tokenizer)
         (pid, ids), = encode_prompts(tokenizer, prompts[:1])
@@ -121,7 +127,18 @@ def main() -> None:
             return decode_on_device(decoder, ChainSteps(proposer, args.k, log), ids, args.max_new, eos, pid,
                                     f"eagle3@k={args.k}")
 
-        for name, run in (("target-only", greedy), ("chain", chain)):
+        def tree_run(setting: TreeSetting):
+            tree_drafter = TreeDrafter(drafter, setting, compiled=True, log=log)  # its own graphs
+
+            def run():
+                tree_drafter.reset(size)
+                return decode_on_device(decoder, TreeSteps(tree_drafter, log), ids, args.max_new, eos, pid,
+                                        setting.method())
+            return run
+
+        arms = [("target-only", greedy), ("chain", chain)]
+        arms += [(f"tree-{s.num_steps}-{s.topk}-{s.num_draft_tokens}", tree_run(s)) for s in trees]
+        for name, run in arms:
             run()  # this proposer's graphs recorded, outside the profile
             kernels, trace = profiled(run, args.out, name)
             steps = trace.target_forwards
