@@ -12,8 +12,8 @@ drafts (proposers.py: nothing for the target alone, a chain for prompt lookup an
 `eagle3-tree(steps=..,topk=..,tokens=..)`, SGLang's settings, tree.py), the target processes [next token, drafts]
 in one forward (KV cache), accepts the longest path of drafts equal to its own argmax plus one bonus token, and its
 cache keeps those rows: tau = tokens per target forward. A method is a typed value (methods.py `Method`); its name
-keys the traces and results. Compiled runtimes decode the target alone and the EAGLE-3 chain with their loop
-state on the device instead (pipelined.py).
+keys the traces and results. Compiled runtimes decode the target alone, the EAGLE-3 chains and the trees with the
+loop's state on the device instead (pipelined.py `decode_on_device`, the same loop's twin; `decode_one` picks).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ root: the target's own next token, which is verified with them). A child's cumul
 its parent's and ties go to the earlier (shallower) candidate, so a kept node's ancestors are always kept. The
 drafting runs as tensors only at shapes fixed by the setting (tree_graph.py), replayed from a CUDA graph on GPU.
 
-Verifying (a drafted tree is a proposers.Draft, decoded by the one loop of speculative.py): one target forward
+Verifying (a drafted tree is a proposers.Draft, decoded by the one loop of speculative.py; with a compiled
+runtime by its device-resident twin, pipelined.TreeSteps, which does the same on the device): one target forward
 over [root, nodes...] at positions n + depth, each attending to the cached prefix, the root and its own ancestors.
 The longest root-to-leaf path whose every token equals the target's argmax at its
 parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
