@@ -72,6 +72,7 @@ def engine_run(k: int | None, counters: dict | None, tokens: dict[str, list[int]
 
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "engine_check" / "h200-vllm-0.26.0.json.gz"
+RECORDED_BF16 = RECORDED.with_name("h200-vllm-0.26.0-bf16.json.gz")
 SETTINGS = from_section(engine_check.Settings, schema_defaults("engine_check"), trust_remote_code=False)
 
 
@@ -171,6 +172,26 @@ def test_on_recorded_h200_counters_the_figures_and_the_verdict_come_out_as_the_r
         assert result["sets"][name]["target_matches_evaluator_share"] == same_share
     assert [f.split(",")[0] for f in result["failures"]] == ["held-out"]  # +5.2 %, on different texts
     assert result["engine_version"] == "0.26.0"
+
+
+def test_on_recorded_h200_counters_per_prompt_against_a_bf16_tau_pass_the_check_passes_as_logged():
+    # the same engine against the evaluator in its own precision, per-prompt counters kept: the verdict rests on the
+    # 20 / 34 / 42 prompts whose text vLLM (with and without the drafter) and the evaluator agree on
+    recorded = json.loads(gzip.decompress(RECORDED_BF16.read_bytes()))
+    engines, evaluations = recorded["engines"], recorded["evaluations"]
+    prompt_ids = {name: list(run["tokens"]) for name, run in engines["target"]["sets"].items()}
+    result = engine_comparison.compare(prompt_ids, engines, evaluations, 0.03)
+    logged = {"mtbench-package": (1.766, 1.768, 20, 1.705, 1.695), "held-out": (1.857, 1.853, 34, 1.830, 1.803),
+              "humaneval-package": (2.135, 2.095, 42, 2.093, 2.050)}
+    for name, (engine, ours, same_text, engine_all, ours_all) in logged.items():
+        figures = result["sets"][name]["methods"]["eagle3@k=4"]
+        assert round(figures["engine_acceptance_length"], 3) == engine
+        assert round(figures["evaluator_acceptance_length"], 3) == ours
+        assert figures["judged_on"] == f"{same_text} same-text prompts"
+        assert round(figures["engine_acceptance_length_all"], 3) == engine_all
+        assert round(figures["evaluator_acceptance_length_all"], 3) == ours_all
+        assert figures["identical_share"] == 1.0 and figures["passed"]
+    assert result["passed"] and result["failures"] == []
 
 
 def same_text_case(engine_on_different_text: int) -> dict:
