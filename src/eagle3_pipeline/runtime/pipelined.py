@@ -420,8 +420,8 @@ def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState,
 
 class TreeSteps:
     """An EAGLE-3 draft tree in the device-resident loop: the first tree drafted as the host loop drafts it
-    (`drafter.draft`, a tree.TreeDrafter), then verify -> `verified_tree_step`. The recorded step and the loop
-    states are kept with the tree drafter (`recorded_step`)."""
+    (`drafter.packed`, a tree.TreeDrafter, left on the device), then verify -> `verified_tree_step`. The recorded
+    step and the loop states are kept with the tree drafter (`recorded_step`)."""
     drafting = True
 
     def __init__(self, drafter: Any, log: Any = None):
@@ -438,16 +438,17 @@ class TreeSteps:
             raise ValueError(f"the device-resident tree (steps={self.steps}, tokens={self.tokens}) runs a step past "
                              f"the end: its caches need {needed} slots beyond the sequence, they keep "
                              f"{target.headroom}")
-        draft = self.drafter.draft(context, features)  # the prompt's rows, then the first tree
+        packed = self.drafter.packed(context, features, fused=False)  # the prompt's rows, then the first tree
         slots, device = int(cache.get_max_length()), target.device
         self.state = self.recorded.buffers.get((self.tokens, slots))
         if self.state is None:
             self.state = self.recorded.buffers[(self.tokens, slots)] = TreeState.empty(
                 self.tokens, slots, target.model.get_input_embeddings().weight.dtype, device)
-        columns = torch.tensor([[context[-1], *draft.tokens], [0, *draft.parents], [0, *draft.depths]])
-        ids, parents, depths = columns.to(device, non_blocking=True)
-        self.state.set(torch.tensor([len(context) - 1]).to(device, non_blocking=True), ids, parents, depths,
-                       self.steps)
+        n, root = torch.tensor([len(context) - 1, context[-1]]).to(device, non_blocking=True)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)  # the root is its own parent, at depth 0
+        ids, parents, depths = (torch.cat([first, column.long()]) for first, column in
+                                zip((root.view(1), zero, zero), packed[:3], strict=True))
+        self.state.set(n.view(1), ids, parents, depths, self.steps)  # nothing read back to the host
         self.lengths = lengths_of(cache)
         self.layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
         self.key = (*cache_key(self.proposer.cache), self.tokens, *(length.data_ptr() for length in self.lengths))

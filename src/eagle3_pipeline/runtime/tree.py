@@ -52,9 +52,12 @@ class TreeDrafter:
 
     def __init__(self, drafter: Drafter, setting: TreeSetting, compiled: bool = False, log: Any = None):
         self.rows = TreeRows.empty(drafter, (setting.num_steps - 1) * setting.topk)
-        self.captured = (CapturedTree(drafter, self.rows, setting.num_steps, setting.topk,
-                                      setting.num_draft_tokens - 1, log)
-                         if compiled and self.rows.keys.device.type == "cuda" else None)
+        on_cuda = compiled and self.rows.keys.device.type == "cuda"
+        shape = (drafter, self.rows, setting.num_steps, setting.topk, setting.num_draft_tokens - 1, log)
+        # by `fused`: inductor's kernels for the host loop, which drafts every step here; the device-resident loop
+        # drafts only a prompt's first tree here (its own step drafts the rest): the eager kernels recorded, so that
+        # a fresh GPU does not compile the drafting twice
+        self.captured = {fused: CapturedTree(*shape, fuse=fused) for fused in (True, False)} if on_cuda else {}
         self.log = log
         self.proposer = DrafterProposer(drafter, static=True, compiled=compiled, log=log)  # prompts: its graphs
         self.drafter = self.proposer.drafter
@@ -70,20 +73,25 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, context: list[int], features: torch.Tensor) -> Draft:
         """context = tokens x_0..x_n (x_n, the root, not yet seen by the target); features = f_0..f_{n-1}."""
+        tokens, parents, depths, scores = self.packed(context, features).tolist()  # the step's one copy to the host
+        return Draft([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores,
+                     width=self.setting.num_draft_tokens)
+
+    @torch.inference_mode()
+    def packed(self, context: list[int], features: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """The tree below the root x_n as `tree_graph.tree_steps` packs it, on the device: [4, num_draft_tokens - 1]
+        (target id, parent node, depth, cumulative log-probability)."""
         steps = self.setting.num_steps
         integers, hidden = self.proposer.real_rows(context, features, steps)
-        cache, packed = self.proposer.cache, None
-        if self.captured is not None and hidden.shape[1] == steps + 1:
+        cache = self.proposer.cache
+        if (captured := self.captured.get(fused)) is not None and hidden.shape[1] == steps + 1:
             try:
-                packed = self.captured(integers, hidden, cache)
+                return captured(integers, hidden, cache)
             except Exception as exc:  # capture unsupported here: draft eagerly (rows land at their positions)
                 if self.log is not None:
                     self.log.warning("draft tree CUDA graph failed (%s: %s); drafting trees eagerly",
                                      type(exc).__name__, str(exc)[:300])
-                self.captured = None
-        if packed is None:
-            (packed,) = tree_drafts(integers, hidden, drafter=self.drafter, cache=cache, rows=self.rows, steps=steps,
-                                    topk=self.setting.topk, kept=self.setting.num_draft_tokens - 1)
-        tokens, parents, depths, scores = packed.tolist()  # the one device-to-host copy of the step
-        return Draft([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths], scores,
-                     width=self.setting.num_draft_tokens)
+                self.captured = {}
+        (packed,) = tree_drafts(integers, hidden, drafter=self.drafter, cache=cache, rows=self.rows, steps=steps,
+                                topk=self.setting.topk, kept=self.setting.num_draft_tokens - 1)
+        return packed

@@ -115,11 +115,13 @@ def tree_drafts(integers: torch.Tensor, hidden: torch.Tensor, **fixed: Any) -> t
 
 class CapturedTree:
     """`tree_drafts` for a StaticKV cache with steps + 1 real rows, replayed from CUDA graphs recorded on first use
-    (one per cache; a setting's tree rows are its drafter's own)."""
+    (one per cache; a setting's tree rows are its drafter's own). `fuse`: of inductor's kernels (compiled on first
+    use); False: the eager kernels recorded as they are (nothing to compile)."""
 
-    def __init__(self, drafter: Drafter, rows: TreeRows, steps: int, topk: int, kept: int, log: Any = None):
+    def __init__(self, drafter: Drafter, rows: TreeRows, steps: int, topk: int, kept: int, log: Any = None,
+                 fuse: bool = True):
         self.fixed = {"drafter": drafter, "rows": rows, "steps": steps, "topk": topk, "kept": kept}
-        self.calls = CapturedCalls(tree_drafts, fuse=True, log=log)
+        self.calls = CapturedCalls(tree_drafts, fuse=fuse, log=log)
 
     def __call__(self, integers: torch.Tensor, hidden: torch.Tensor, cache: StaticKV) -> torch.Tensor:
         (packed,) = self.calls(cache_key(cache), {"integers": integers, "hidden": hidden}, cache=cache, **self.fixed)
