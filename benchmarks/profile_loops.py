@@ -28,9 +28,10 @@ from bench_decode import target_directory  # a sibling script: benchmarks/ is on
 from eagle3_pipeline import assets
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
+from eagle3_pipeline.runtime.device_tree import TreeSteps
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
 from eagle3_pipeline.runtime.methods import TreeSetting
-from eagle3_pipeline.runtime.pipelined import ChainSteps, GreedySteps, TreeSteps, decode_on_device
+from eagle3_pipeline.runtime.pipelined import ChainSteps, GreedySteps, decode_on_device
 from eagle3_pipeline.runtime.speculative import encode_prompts, end_of_sequence
 from eagle3_pipeline.runtime.target import loading
 from eagle3_pipeline.runtime.tree import TreeDrafter

@@ -3,7 +3,7 @@
 
 ENGINE_CHECK = LAYOUT.engine_check(config["engine_check"]["engine"])
 try:
-    ENGINE_CHECK_SETS = workflow_config.engine_check_sets(config, PROMPT_SETS)
+    ENGINE_CHECK_SETS = workflow_config.chosen_sets(config, "engine_check.prompts", PROMPT_SETS)
 except workflow_config.ConfigError as exc:
     sys.exit(f"Config error: {exc}")
 

@@ -34,7 +34,7 @@ rule evaluate:
 
 
 try:
-    TIMING_SETS = workflow_config.timing_sets(config, PROMPT_SETS)
+    TIMING_SETS = workflow_config.chosen_sets(config, "evaluate.timing.prompt_sets", PROMPT_SETS)
 except workflow_config.ConfigError as exc:
     sys.exit(f"Config error: {exc}")
 

@@ -1,7 +1,5 @@
-"""Parse-time checks of the config that the JSON schema cannot express (paths, model depth, ...).
-
-Errors name the config key, so a bad config fails before any job runs.
-"""
+"""Parse-time checks of the config that the JSON schema cannot express (paths, model depth, ...); errors name the
+config key, so a bad config fails before any job runs."""
 
 from __future__ import annotations
 
@@ -174,22 +172,14 @@ def check_engine_check(config: dict[str, Any], warnings: list[str]) -> None:
                         "engine_check job needs it (envs/vllm.yaml under --software-deployment-method conda)")
 
 
-def engine_check_sets(config: dict[str, Any], evaluated: list[str]) -> list[str]:
-    """The prompt sets the engine check decodes: engine_check.prompts (names of evaluated sets), else all."""
-    return chosen_sets((config.get("engine_check") or {}).get("prompts"), "engine_check.prompts", evaluated)
-
-
-def timing_sets(config: dict[str, Any], evaluated: list[str]) -> list[str]:
-    """The prompt sets the timing pass times: evaluate.timing.prompt_sets (names of evaluated sets), else all."""
-    timing = (config.get("evaluate") or {}).get("timing") or {}
-    return chosen_sets(timing.get("prompt_sets"), "evaluate.timing.prompt_sets", evaluated)
-
-
-def chosen_sets(wanted: list[str] | None, key: str, evaluated: list[str]) -> list[str]:
-    """`wanted` prompt sets (names of evaluated sets) in a stage after the tau pass, None: every one."""
+def chosen_sets(config: dict[str, Any], key: str, evaluated: list[str]) -> list[str]:
+    """The prompt sets a stage after the tau pass decodes: those named at the dotted config `key` (names of
+    evaluate.prompts; engine_check.prompts, evaluate.timing.prompt_sets), every evaluated set where it is null."""
+    wanted: Any = config
+    for part in key.split("."):
+        wanted = (wanted or {}).get(part)
     if wanted is not None and (unknown := [name for name in wanted if name not in evaluated]):
-        raise ConfigError(f"config key {key}: {unknown} are not prompt sets of evaluate.prompts "
-                          f"(those are {evaluated})")
+        raise ConfigError(f"config key {key}: {unknown} are not prompt sets of evaluate.prompts (there: {evaluated})")
     return list(evaluated if wanted is None else wanted)
 
 

@@ -143,8 +143,10 @@ def test_config_checks_name_the_key():
     with pytest.raises(ConfigError, match=r"engine_check\.draft_lengths: \[5\] are not among evaluate"):
         workflow_config.check_engine_check(config, [])
     with pytest.raises(ConfigError, match=r"engine_check\.prompts: \['humaneval'\] are not prompt sets"):
-        workflow_config.engine_check_sets({"engine_check": {"prompts": ["humaneval"]}}, ["mtbench-package"])
-    assert workflow_config.engine_check_sets({"engine_check": {"prompts": None}}, ["a", "b"]) == ["a", "b"]
+        workflow_config.chosen_sets({"engine_check": {"prompts": ["humaneval"]}}, "engine_check.prompts",
+                                    ["mtbench-package"])
+    assert workflow_config.chosen_sets({"engine_check": {"prompts": None}}, "engine_check.prompts", ["a", "b"]) == [
+        "a", "b"]
 
 
 def test_without_vllm_an_enabled_check_is_warned_before_the_run(monkeypatch):

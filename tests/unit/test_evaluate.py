@@ -252,16 +252,16 @@ def test_the_timing_pass_falls_back_to_host_loops_when_the_device_resident_ones_
                                                                                     monkeypatch, caplog, failing):
     """A failing device-resident tree step sends the trees to the host loop (chains and the target alone stay on the
     device); a loop that fails for every method sends them all there."""
-    from eagle3_pipeline.runtime import pipelined
+    from eagle3_pipeline.runtime import device_tree
     from eagle3_pipeline.runtime.methods import TreeSetting
 
-    def failing_begin(*args, **kwargs):
+    def raising(*args, **kwargs):
         raise RuntimeError("capture failed")
 
-    if failing == "trees":  # as a failed CUDA-graph recording would
-        monkeypatch.setattr(pipelined.TreeSteps, "begin", failing_begin)
+    if failing == "trees":  # the device tree step raising, as one whose CUDA graph cannot be recorded does
+        monkeypatch.setattr(device_tree, "verified_tree_step", raising)
     else:
-        monkeypatch.setattr(speculative, "decode_on_device", failing_begin)
+        monkeypatch.setattr(speculative, "decode_on_device", raising)
     model = load_model(target_dir, "cpu", torch.float32)
     target = TargetRuntime(model, [2, 15, 27], static=True)  # the compiled runtime's static caches, uncompiled
     target.device_loops = True
@@ -386,7 +386,7 @@ def test_a_model_gets_one_compiled_runtime_per_process():
 
 
 def test_compile_auto_means_the_timing_pass_on_cuda():
-    from eagle3_pipeline.runtime.decode import compile_decision
+    from eagle3_pipeline.runtime.compilation import compile_decision
 
     assert [compile_decision("auto", device, timing)[0] for device, timing in
             (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True))] == [True, True, False, False]

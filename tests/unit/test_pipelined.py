@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eagle3_pipeline.formats.hidden_store import HiddenStore
-from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
+from eagle3_pipeline.runtime.compilation import steps_without_cuda_graphs
+from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.methods import Method, TreeSetting
 from eagle3_pipeline.runtime.proposers import Draft, EagleChain
@@ -156,7 +157,7 @@ def oracle_tree() -> Draft:
 def test_the_tree_state_on_the_device_is_the_host_loops_tree(trained_tiny):
     """The ancestry and the verify's mask and positions that the device-resident loop computes equal the host
     loop's (Draft.visible, TargetRuntime.forward_tree's inputs)."""
-    from eagle3_pipeline.runtime.pipelined import TreeState, ancestry
+    from eagle3_pipeline.runtime.device_tree import TreeState, ancestry
 
     target, _, _ = trained_tiny
     runtime = TargetRuntime(target.model, [1, 2, 3], static=True)
@@ -182,7 +183,7 @@ def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(tra
     """Every kind of path through a 7-node tree, forced through the verify's logits: the step's report, the target
     cache's rows (the path's moved down after the root's) and lengths, and the next tree's state follow the host
     loop's arithmetic (Draft.accept, keep_rows)."""
-    from eagle3_pipeline.runtime.pipelined import TreeState, verified_tree_step
+    from eagle3_pipeline.runtime.device_tree import TreeState, verified_tree_step
     from eagle3_pipeline.runtime.tree_graph import TreeRows
 
     _, drafter, _ = trained_tiny
@@ -219,8 +220,8 @@ def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(tra
 def test_the_fused_verified_tree_step_equals_the_eager_one_as_one_graph(trained_tiny):
     """On a GPU the device-resident tree records `fused(verified_tree_step)` (inductor's kernels); here the same
     compiled function runs on the CPU against the eager one, from the same state, as one graph without breaks."""
+    from eagle3_pipeline.runtime.device_tree import TreeSteps, verified_tree_step
     from eagle3_pipeline.runtime.draft_graph import fused
-    from eagle3_pipeline.runtime.pipelined import TreeSteps, verified_tree_step
 
     target, drafter, store = trained_tiny
     ids = HiddenStore(store).sequence(0)["input_ids"][:16].tolist()
@@ -250,3 +251,41 @@ def test_the_fused_verified_tree_step_equals_the_eager_one_as_one_graph(trained_
     assert [int(t) for t in fused_arguments["lengths"]] == [int(t) for t in eager_arguments["lengths"]]
     explained = torch._dynamo.explain(verified_tree_step)(**arguments())
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_a_steps_snapshot_puts_back_everything_the_step_changes(trained_tiny, method):
+    """Recording a step's CUDA graph runs it three times, each from the snapshot's state: what the step changes (the
+    loop state, the target cache's lengths and, for a tree, the rows it moves) must all come back, or the recorded
+    runs would walk the sequence past its cache."""
+    from eagle3_pipeline.runtime.device_tree import TreeSteps
+    from eagle3_pipeline.runtime.pipelined import ChainSteps
+
+    target, drafter, store = trained_tiny
+    ids = HiddenStore(store).sequence(1)["input_ids"][:16].tolist()
+    setting = TreeSetting(3, 2, 5)
+    runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
+    runtime.prepare([3], [setting.rows_ahead])
+    cache = runtime.new_cache(len(ids) + 24)
+    _, features = runtime.forward(ids[:-1], cache)
+    if method == "chain":
+        proposer = DrafterProposer(drafter, static=True)
+        proposer.reset(64)
+        steps = ChainSteps(proposer, 3)
+    else:
+        tree_drafter = TreeDrafter(drafter, setting)
+        tree_drafter.reset(64)
+        steps = TreeSteps(tree_drafter)
+    steps.begin(runtime, cache, list(ids), features)
+    logits, aux = steps.verify(runtime, cache)
+    layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+    state = steps.state.tensors() if method == "tree" else (steps.state,)
+    before = [tensor.clone() for tensor in (*state, *steps.lengths, *layers)]
+    restore = steps.snapshot()
+    steps.advance(logits, aux)
+    after = [tensor.clone() for tensor in (*state, *steps.lengths, *layers)]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))  # the step did change them
+    restore()
+    for now, then in zip((*state, *steps.lengths, *layers), before, strict=True):
+        assert torch.equal(now, then)

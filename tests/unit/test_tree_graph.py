@@ -65,7 +65,7 @@ def test_a_tree_holding_the_targets_continuation_is_accepted_down_that_branch(mo
     ids = prompt()
     eager = TargetRuntime(model, AUX_LAYERS)
     reference = speculative.decode(eager, TargetAlone(), ids, 40, set(), "p", "target").tokens
-    # a compiled runtime gets a model of its own (one per model and process: decode.claim_for_compilation)
+    # a compiled runtime gets a model of its own (one per model and process: compilation.claim_for_compilation)
     target = TargetRuntime(confident_target() if mode == "compiled" else model, AUX_LAYERS, static=True,
                            compiled=mode == "compiled", log=logging.getLogger("test"))
     target.prepare([3])

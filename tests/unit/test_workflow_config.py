@@ -160,9 +160,10 @@ def test_a_chat_template_must_exist_and_parse(tmp_path):
 
 
 def test_the_timing_pass_times_the_named_prompt_sets_or_all():
-    evaluated = ["mtbench-package", "held-out"]
-    assert workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": None}}}, evaluated) == evaluated
-    assert workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": ["held-out"]}}}, evaluated) == [
+    evaluated, key = ["mtbench-package", "held-out"], "evaluate.timing.prompt_sets"
+    assert workflow_config.chosen_sets({"evaluate": {"timing": {"prompt_sets": None}}}, key, evaluated) == evaluated
+    assert workflow_config.chosen_sets({"evaluate": {}}, key, evaluated) == evaluated
+    assert workflow_config.chosen_sets({"evaluate": {"timing": {"prompt_sets": ["held-out"]}}}, key, evaluated) == [
         "held-out"]
     with pytest.raises(ConfigError, match=r"evaluate\.timing\.prompt_sets: \['humaneval'\] are not prompt sets"):
-        workflow_config.timing_sets({"evaluate": {"timing": {"prompt_sets": ["humaneval"]}}}, evaluated)
+        workflow_config.chosen_sets({"evaluate": {"timing": {"prompt_sets": ["humaneval"]}}}, key, evaluated)

@@ -20,33 +20,9 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.logs import ClearError
 from eagle3_pipeline.runtime import target_attention
+from eagle3_pipeline.runtime.compilation import claim_for_compilation, compile_decision
 from eagle3_pipeline.runtime.kv_cache import SMALLEST_CACHE, has_sliding_layers, remove_last_rows, rewind, static_size
-
-
-def claim_for_compilation(model: torch.nn.Module) -> None:
-    """A model gets one compiled runtime per process. torch.compile keys its graphs on the model object and
-    outlives the runtime; dynamo does not guard on forward hooks, so a second runtime's compiled steps would
-    replay the first's graphs, with the first runtime's aux hooks (its own would never see the compiled step's
-    layers) and CUDA graphs recorded on the first runtime's cache addresses. Load the model again instead."""
-    if getattr(model, "_eagle3_compiled_runtime", False):
-        raise ClearError("this model already has a compiled target runtime in this process; a second one would "
-                         "replay the first one's graphs (its hooks, its cache addresses): load the model again")
-    model._eagle3_compiled_runtime = True
-
-
-def compile_decision(requested: str | bool, device: str, timing_pass: bool) -> tuple[bool, str]:
-    """(compile?, why): `auto` compiles the timing pass on CUDA only. On a CPU the compiled step is not faster
-    for a small target and compiling costs minutes of a short run; the tau pass's many worker processes would
-    each compile at once (minutes of every CPU core), for figures that do not depend on speed."""
-    if requested != "auto":
-        return bool(requested), f"evaluate.compile: {requested}"
-    if not device.startswith("cuda"):
-        return False, f"evaluate.compile: auto is off on {device} (eager decoding, dynamic KV cache)"
-    if not timing_pass:
-        return False, "evaluate.compile: auto compiles the timing pass only (the tau pass decodes eagerly)"
-    return True, "evaluate.compile: auto, timing pass on CUDA"
 
 
 class TargetRuntime:
@@ -85,8 +61,8 @@ class TargetRuntime:
         # successful compiled calls by (what, width, cache slots): CUDA-graph trees warm up on a shape's first call
         # and record on its second, so a shape that ran three times is past compilation and capture
         self.shape_calls: dict[tuple[str, int, int], int] = {}
-        # greedy and chain decoding with the loop's state on the device (pipelined.py): the compiled runtime's
-        # loops; a benchmark turns it off to time the host loops on the same runtime
+        # the decoding loop with its state on the device (pipelined.py): the compiled runtime's; a benchmark turns
+        # it off to time the host loop on the same runtime
         self.device_loops = compiled
         # draft trees in those loops too (off: trees in the host loop, chains and the target alone on the device)
         self.device_trees = True
@@ -237,7 +213,7 @@ class TargetRuntime:
     def forward_tree_device(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft tree already on the device (ids and positions [1, T], its additive mask [1, 1, T, slots]: the
-        device-resident loop's tree, pipelined.TreeState) through the compiled tree verify, reading nothing back
+        device-resident loop's tree, device_tree.TreeState) through the compiled tree verify, reading nothing back
         (`forward_tree` with its inputs made). The outputs may be a captured graph's: consume them before the next
         call."""
         inputs = {"position_ids": positions, "attention_mask": mask}
@@ -294,14 +270,6 @@ class TargetRuntime:
     def crop(self, cache: Any, keep: int) -> None:
         """Drop rejected rows. A negative argument means 'remove this many' in every transformers version."""
         self.forget(cache, int(cache.get_seq_length()) - keep)
-
-
-def steps_without_cuda_graphs() -> int:
-    """How many compiled graphs of this process inductor runs without CUDA graphs (torch logs each reason under
-    `[__cudagraphs]`): such a step pays one launch per kernel, so its timing is not a captured step's."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 def load(target_dir: Any, aux_layer_ids: list[int], device: str, dtype: torch.dtype, compile_setting: str | bool,

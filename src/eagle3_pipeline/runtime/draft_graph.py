@@ -6,7 +6,8 @@ host: which real row starts the chain is an index tensor, and draft ids map to t
 Eagerly it is the chain itself; on CUDA `CapturedChain` records it once per (k, cache) and replays it, so a
 k-step chain costs one graph launch instead of ~60 kernel launches and a Python round trip per step (what
 servers do: SGLang and vLLM capture their draft steps in CUDA graphs too). `CapturedCalls` is that recording and
-replaying for any tensors-only drafting function (draft trees use it too: tree_graph.py).
+replaying for any tensors-only drafting function (draft trees use it too: tree_graph.py); `RecordedStep`, for a
+device-resident decoding loop's step, which also advances the loop's state (pipelined.py, device_tree.py).
 """
 
 from __future__ import annotations
@@ -91,30 +92,36 @@ class CapturedCalls:
         self.log = log
         self.graphs: dict[tuple[int, ...], _Graph] = {}
 
-    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], **fixed: Any
-                 ) -> tuple[torch.Tensor, ...]:
+    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor],
+                 reset: Callable[[], None] | None = None, **fixed: Any) -> tuple[torch.Tensor, ...]:
+        """`reset`: puts back what a run changes besides its outputs, before each of the recording's runs (a step
+        that advances a loop's state; drafting functions, which write the same rows each time, need none)."""
         if key not in self.graphs:
-            self.graphs[key] = self._record(inputs, fixed)
+            self.graphs[key] = self._record(inputs, fixed, reset)
         recorded = self.graphs[key]
         for name, value in inputs.items():
             recorded.inputs[name].copy_(value)
         recorded.graph.replay()
         return tuple(output.clone() for output in recorded.outputs)
 
-    def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
+    def _record(self, inputs: dict[str, torch.Tensor], fixed: dict[str, Any],
+                reset: Callable[[], None] | None) -> _Graph:
         inputs = {name: value.clone() for name, value in inputs.items()}
         if self.fused is not None:
             try:
-                return self._capture(self._warm_up(self.fused, inputs, fixed), inputs, fixed)
+                return self._capture(self._warm_up(self.fused, inputs, fixed, reset), inputs, fixed, reset)
             except Exception as exc:  # no Triton, an unsupported op, a compiler error, a failed capture
                 if self.log is not None:
                     self.log.warning("fusing or recording the drafter's fused kernels failed (%s: %s); its CUDA "
                                      "graphs record the eager kernels", type(exc).__name__, str(exc)[:300])
-                self.fused = None  # rerunning is safe: every row lands at its position again
-        return self._capture(self._warm_up(self.steps, inputs, fixed), inputs, fixed)
+                self.fused = None  # rerunning is safe: rows land at their positions again, `reset` undoes the rest
+        return self._capture(self._warm_up(self.steps, inputs, fixed, reset), inputs, fixed, reset)
 
     @staticmethod
-    def _capture(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]) -> _Graph:
+    def _capture(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any],
+                 reset: Callable[[], None] | None = None) -> _Graph:
+        if reset is not None:
+            reset()  # before the capture: its copies are not part of the graph
         graph = torch.cuda.CUDAGraph()
         clear_cublas_workspaces()
         try:
@@ -125,14 +132,16 @@ class CapturedCalls:
         return _Graph(graph, inputs, outputs)
 
     @staticmethod
-    def _warm_up(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any]
-                 ) -> Callable[..., Any]:
-        """`steps` after two runs on a side stream (compilation, library handles, workspaces; it writes the same
-        rows each time), ready to record."""
+    def _warm_up(steps: Callable[..., Any], inputs: dict[str, torch.Tensor], fixed: dict[str, Any],
+                 reset: Callable[[], None] | None = None) -> Callable[..., Any]:
+        """`steps` after two runs on a side stream (compilation, library handles, workspaces; each from the same
+        state: it writes the same rows, and `reset` puts back the rest), ready to record."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
+                if reset is not None:
+                    reset()
                 steps(**inputs, **fixed)
         torch.cuda.current_stream().wait_stream(side)
         return steps
@@ -171,3 +180,48 @@ class CapturedChain:
         drafts, logits = self.calls((*cache_key(cache), k), {"integers": integers, "hidden": hidden},
                                     drafter=self.drafter, cache=cache, k=k)
         return drafts, logits
+
+
+Restore = Callable[[], None]  # puts back what a step changed
+
+
+class RecordedStep:
+    """A loop's step (a tensors-only function returning one tensor) replayed on CUDA from CUDA graphs (of inductor's
+    kernels, or of the eager ones where fusing fails), recorded on first use per key (what the graph reads and
+    writes besides its inputs: the caches and the loop state); eagerly elsewhere. Kept with its proposer, with the
+    loop states (`buffers`, by shape), so that every prompt replays the same graphs. A step that cannot be recorded
+    on CUDA raises (the timing pass's warm-up then decodes that method in the host loop): run eagerly, hundreds of
+    launches per step, it would be timed as the device-resident loop without being one."""
+
+    def __init__(self, step: Callable[..., tuple[torch.Tensor]], on_cuda: bool, what: str, log: Any = None):
+        self.step, self.what = step, what
+        self.calls = CapturedCalls(step, fuse=True, log=log) if on_cuda else None
+        self.buffers: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], snapshot: Callable[[], Restore],
+                 **fixed: Any) -> torch.Tensor:
+        """`snapshot()` saves what the step changes besides its output (loop state, cache lengths and rows) and
+        returns what puts it back: recording runs the step three times, each from the state it was called in."""
+        if self.calls is None:
+            return self.step(**inputs, **fixed)[0]
+        if key not in self.calls.graphs:
+            restore = snapshot()
+            try:
+                self.calls(key, inputs, reset=restore, **fixed)
+            except Exception as exc:  # capture unsupported here
+                raise RuntimeError(f"{self.what}: recording its CUDA graph failed ({type(exc).__name__}: "
+                                   f"{str(exc)[:300]})") from exc
+            finally:
+                restore()
+        return self.calls(key, inputs, **fixed)[0]
+
+
+
+def saved(tensors: tuple[torch.Tensor, ...]) -> Restore:
+    """A copy of `tensors` now, and what copies it back."""
+    copies = [tensor.clone() for tensor in tensors]
+
+    def restore() -> None:
+        for tensor, copy in zip(tensors, copies, strict=True):
+            tensor.copy_(copy)
+    return restore

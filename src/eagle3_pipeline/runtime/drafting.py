@@ -49,7 +49,7 @@ class DrafterProposer:
                          else None)
         # a prompt's rows, PROMPT_CHUNK at a time: the eager kernels recorded (no compilation to wait for)
         self.captured_writes = CapturedCalls(write_rows, log=log) if self.captured is not None else None
-        self.recorded_step: Any = None  # pipelined.RecordedStep: the device-resident chain step's graphs
+        self.recorded_step: Any = None  # draft_graph.RecordedStep: the device-resident chain step's graphs
         if compiled and self.captured is None and log is not None:
             log.info("drafter chain: eager on %s (CUDA graphs need a GPU)", self.device)
         self.log = log

@@ -14,10 +14,9 @@ how it verifies and advances:
   (`verified_step`): the accepted count and the bonus token from the verify's argmax, the target cache's rejected
   rows forgotten, the new real rows (accepted drafts and bonus, padded to k + 1 as `DrafterProposer.real_rows` pads
   them) into the drafter's cache, the next k drafts, and the next verify's ids written into the loop's state;
-- `TreeSteps`, an EAGLE-3 draft tree (SGLang's setting): the compiled target verify of the tree with its mask, then
-  one recorded graph (`verified_tree_step`): the accepted path from the verify's argmax and the tree's ancestry, its
-  rows moved down the target cache (the rest forgotten), the path's real rows into the drafter's cache, the next
-  tree (tree_graph.tree_steps), and the next verify's ids, positions and mask written into the loop's state.
+- `device_tree.TreeSteps`, an EAGLE-3 draft tree (SGLang's setting): the compiled target verify of the tree with its
+  mask, then one recorded graph that accepts the path, moves its rows down the target cache, drafts the next tree
+  and writes the next verify's inputs.
 The tokens, accepted counts and verify forwards are those of the host loop (tested). A step launched while the
 host has not yet read that the sequence ended is dropped uncounted; its time counts. Draft and verify times per
 step are the device's (CUDA events), since the host no longer waits for either.
@@ -27,16 +26,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.draft_graph import CapturedCalls, cache_key, chain_steps
+from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, cache_key, chain_steps, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
-from eagle3_pipeline.runtime.tree_graph import TreeRows, tree_steps
 
 
 class LateReader:
@@ -162,6 +159,7 @@ def decode_on_device(target: TargetRuntime, steps: DeviceSteps, prompt_ids: list
 
 
 def finish(trace: Trace, clock: PhaseClock, drafting: bool, start: float, max_new: int) -> Trace:
+    """The trace's tokens cut at max_new and its seconds: the whole, and per phase from the device's clock."""
     trace.tokens = trace.tokens[:max_new]
     trace.total_seconds = time.perf_counter() - start  # a step launched past the end included: it was paid for
     first = 1 if drafting else 0  # a drafting method's clock starts with the prompt's drafting
@@ -221,41 +219,6 @@ class GreedySteps:
         pass
 
 
-class RecordedStep:
-    """A loop's step (a tensors-only function returning one tensor) replayed on CUDA from CUDA graphs of inductor's
-    kernels, recorded on first use per key (what the graph reads and writes besides its inputs: the caches and the
-    loop state); eagerly elsewhere, or once recording failed (logged). Kept with its proposer, with the loop
-    states (`buffers`, by shape), so that every prompt replays the same graphs."""
-
-    def __init__(self, step: Callable[..., tuple[torch.Tensor]], on_cuda: bool, what: str, log: Any = None):
-        self.step, self.what, self.log = step, what, log
-        self.calls = CapturedCalls(step, fuse=True, log=log) if on_cuda else None
-        self.buffers: dict[tuple[int, ...], Any] = {}
-
-    def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], mutated: tuple[torch.Tensor, ...],
-                 **fixed: Any) -> torch.Tensor:
-        """`mutated`: the tensors the step changes besides its output (loop state, cache lengths and rows)."""
-        if self.calls is not None and (key in self.calls.graphs or self._record(key, inputs, mutated, fixed)):
-            return self.calls(key, inputs, **fixed)[0]
-        return self.step(**inputs, **fixed)[0]
-
-    def _record(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], mutated: tuple[torch.Tensor, ...],
-                fixed: dict[str, Any]) -> bool:
-        """Record the graph for `key` (it runs the step three times, whose effects on `mutated` are undone; the
-        drafter's rows land at their positions again); False, logged, where recording fails."""
-        saved = [tensor.clone() for tensor in mutated]
-        try:
-            self.calls(key, inputs, **fixed)
-        except Exception as exc:  # capture unsupported here
-            if self.log is not None:
-                self.log.warning("%s: CUDA graph failed (%s: %s); running it eagerly", self.what, type(exc).__name__,
-                                 str(exc)[:300])
-            self.calls = None
-        for tensor, value in zip(mutated, saved, strict=True):
-            tensor.copy_(value)
-        return self.calls is not None
-
-
 def lengths_of(cache: Any) -> list[torch.Tensor]:
     """The target cache's per-layer length tensors (static layers), which a recorded step rewinds."""
     return [layer.cumulative_length for layer in cache.layers]
@@ -301,8 +264,9 @@ class ChainSteps:
                              f"more while recording): its caches need {4 * k + 2} slots beyond the sequence, they "
                              f"keep {target.headroom}")
         drafts, _ = self.proposer.chain(context, features, k)  # the prompt's rows, then the first chain
-        self.state = self.recorded.buffers.setdefault(
-            (k,), torch.empty(k + 2, dtype=torch.int64, device=drafts.device))
+        if (k,) not in self.recorded.buffers:
+            self.recorded.buffers[(k,)] = torch.empty(k + 2, dtype=torch.int64, device=drafts.device)
+        self.state = self.recorded.buffers[(k,)]
         self.state[:2].copy_(torch.tensor([len(context) - 1, context[-1]]), non_blocking=True)
         self.state[2:].copy_(drafts)
         self.lengths = lengths_of(cache)
@@ -312,158 +276,14 @@ class ChainSteps:
         return target.forward_device(self.state[1:][None], cache)
 
     def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        return self.recorded(self.key, {"logits": logits, "aux": aux}, (self.state, *self.lengths), state=self.state,
+        return self.recorded(self.key, {"logits": logits, "aux": aux}, self.snapshot, state=self.state,
                              lengths=self.lengths, drafter=self.proposer.drafter, cache=self.proposer.cache, k=self.k)
+
+    def snapshot(self) -> Restore:
+        return saved((self.state, *self.lengths))  # (the target cache's rows: the step only forgets some)
 
     def read(self, values: list[int]) -> tuple[int, int, list[int]]:
         return values[0], self.k, values[1:values[0] + 2]
 
     def end(self) -> None:
         self.proposer.reset()
-
-
-@dataclass(frozen=True)
-class TreeState:
-    """A draft tree's loop state on the device, node 0 the root (the target's next token): the verify's inputs (ids
-    [1,T], positions [1,T], additive mask [1,1,T,slots]) and what accepting needs (rows the target has seen `n` [1],
-    parent node [T] - the root its own -, depth [T], ancestry [T,T])."""
-    n: torch.Tensor
-    ids: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    visible: torch.Tensor
-
-    @classmethod
-    def empty(cls, width: int, slots: int, dtype: torch.dtype, device: torch.device) -> TreeState:
-        def integers(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int64, device=device)
-        return cls(integers(1), integers(1, width), integers(1, width),
-                   torch.zeros(1, 1, width, slots, dtype=dtype, device=device), integers(width), integers(width),
-                   torch.zeros(width, width, dtype=torch.bool, device=device))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.n, self.ids, self.positions, self.mask, self.parents, self.depths, self.visible
-
-    def set(self, n: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, steps: int
-            ) -> None:
-        """A tree of ids/parents/depths [T] (the root first) verified after n ([1]) cached rows."""
-        visible = ancestry(parents, steps)
-        self.n.copy_(n)
-        self.ids.copy_(ids[None])
-        self.positions.copy_((n + depths)[None])
-        self.mask.copy_(tree_mask(n, visible, self.mask.shape[-1], self.mask.dtype))
-        self.parents.copy_(parents)
-        self.depths.copy_(depths)
-        self.visible.copy_(visible)
-
-
-def ancestry(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """[T, T] bool: node i sees node j when j is i or one of its ancestors (Draft.visible on the device; parents[0]
-    = 0, the root its own parent; `depth`: the tree's deepest level)."""
-    nodes = torch.arange(parents.shape[0], device=parents.device)
-    seen, ancestor = nodes[:, None] == nodes[None], nodes
-    for _ in range(depth):
-        ancestor = parents.index_select(0, ancestor)
-        seen = seen | (ancestor[:, None] == nodes[None])
-    return seen
-
-
-def tree_mask(n: torch.Tensor, visible: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, T, slots] of a tree verified at cache slots n..n+T-1: every cached row, then its
-    ancestors and itself (TargetRuntime.forward_tree's mask for a tree that fills its width)."""
-    width = visible.shape[0]
-    relative = torch.arange(slots, device=n.device) - n  # a slot's place in the tree, negative: cached
-    seen = visible.index_select(1, relative.clamp(0, width - 1))
-    allowed = (relative < 0)[None] | ((relative < width)[None] & seen)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=n.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState, lengths: list[torch.Tensor],
-                       layers: list[torch.Tensor], drafter: Any, cache: Any, rows: TreeRows, steps: int, topk: int
-                       ) -> tuple[torch.Tensor]:
-    """After the verify of `tree` (logits [T, V], aux features [T, 3H], written at target cache slots n..n+T-1):
-    the longest path whose every node's token is the target's argmax at its parent, and the bonus token; the
-    path's rows moved down to slots n+1.. of the target cache (`layers`: every layer's keys and values), the rest
-    forgotten (`lengths`); the path's real rows into the drafter's `cache` and the next tree drafted from them
-    (tree_graph.tree_steps); the next tree written into `tree`. Returns [accepted, the verified tree's depth, the
-    steps + 1 new tokens: the path's, then the bonus token repeated]."""
-    width = tree.parents.shape[0]
-    n, ids, device = tree.n, tree.ids[0], tree.n.device
-    nodes = torch.arange(width, device=device)
-    predictions = logits.argmax(-1)
-    matches = (ids == predictions.index_select(0, tree.parents)) | (nodes == 0)
-    on_path = ~(tree.visible & ~matches[None]).any(1)  # every node from the root down to it matches
-    accepted = on_path.long().sum() - 1
-    levels = torch.arange(1, steps + 1, device=device)
-    path = (on_path[None] & (tree.depths[None] == levels[:, None])).long().argmax(1)  # node at depth d; 0 past it
-    last = (on_path.long() * (tree.depths + 1)).argmax()  # the deepest node on the path (siblings differ)
-    bonus = predictions.index_select(0, last.view(1))
-    index = torch.arange(steps + 1, device=device)
-    tokens = torch.where(index < accepted, torch.cat([ids.index_select(0, path), bonus]), bonus)
-    drafted = tree.depths.max().view(1)
-    source, moved = n + path, n + 1 + index[:steps]  # past the path: the root's row, into slots forgotten below
-    for tensor in layers:
-        tensor.index_copy_(2, moved, tensor.index_select(2, source))
-    torch._foreach_sub_(lengths, [width - 1 - accepted] * len(lengths))
-    real_rows = torch.cat([nodes[:1], path]).index_select(0, torch.minimum(index, accepted))  # root, path, padding
-    hidden = aux.index_select(0, real_rows).to(drafter.fc.weight.dtype)
-    (packed,) = tree_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, rows,
-                           steps, topk, width - 1)
-    root = nodes[:1]
-    tree.set(n + accepted + 1, torch.cat([bonus, packed[0].long()]), torch.cat([root, packed[1].long()]),
-             torch.cat([root, packed[2].long()]), steps)
-    return (torch.cat([accepted.view(1), drafted, tokens]),)
-
-
-class TreeSteps:
-    """An EAGLE-3 draft tree in the device-resident loop: the first tree drafted as the host loop drafts it
-    (`drafter.packed`, a tree.TreeDrafter, left on the device), then verify -> `verified_tree_step`. The recorded
-    step and the loop states are kept with the tree drafter (`recorded_step`)."""
-    drafting = True
-
-    def __init__(self, drafter: Any, log: Any = None):
-        setting, proposer = drafter.setting, drafter.proposer
-        if drafter.recorded_step is None:
-            drafter.recorded_step = RecordedStep(verified_tree_step, proposer.captured is not None,
-                                                         "device-resident tree step", log)
-        self.drafter, self.proposer, self.recorded = drafter, proposer, drafter.recorded_step
-        self.steps, self.topk, self.tokens = setting.num_steps, setting.topk, setting.num_draft_tokens
-        self.width = self.steps + 3
-
-    def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
-        if (needed := self.tokens + self.steps) > target.headroom:
-            raise ValueError(f"the device-resident tree (steps={self.steps}, tokens={self.tokens}) runs a step past "
-                             f"the end: its caches need {needed} slots beyond the sequence, they keep "
-                             f"{target.headroom}")
-        packed = self.drafter.packed(context, features, fused=False)  # the prompt's rows, then the first tree
-        slots, device = int(cache.get_max_length()), target.device
-        self.state = self.recorded.buffers.get((self.tokens, slots))
-        if self.state is None:
-            self.state = self.recorded.buffers[(self.tokens, slots)] = TreeState.empty(
-                self.tokens, slots, target.model.get_input_embeddings().weight.dtype, device)
-        n, root = torch.tensor([len(context) - 1, context[-1]]).to(device, non_blocking=True)
-        zero = torch.zeros(1, dtype=torch.int64, device=device)  # the root is its own parent, at depth 0
-        ids, parents, depths = (torch.cat([first, column.long()]) for first, column in
-                                zip((root.view(1), zero, zero), packed[:3], strict=True))
-        self.state.set(n.view(1), ids, parents, depths, self.steps)  # nothing read back to the host
-        self.lengths = lengths_of(cache)
-        self.layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
-        self.key = (*cache_key(self.proposer.cache), self.tokens, *(length.data_ptr() for length in self.lengths))
-
-    def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return target.forward_tree_device(self.state.ids, self.state.positions, self.state.mask, cache)
-
-    def advance(self, logits: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        mutated = (*self.state.tensors(), *self.lengths, *self.layers)
-        return self.recorded(self.key, {"logits": logits, "aux": aux}, mutated, tree=self.state,
-                             lengths=self.lengths, layers=self.layers, drafter=self.proposer.drafter,
-                             cache=self.proposer.cache, rows=self.drafter.rows, steps=self.steps, topk=self.topk)
-
-    def read(self, values: list[int]) -> tuple[int, int, list[int]]:
-        return values[0], values[1], values[2:values[0] + 3]
-
-    def end(self) -> None:
-        self.drafter.reset()

@@ -11,7 +11,7 @@ its parent's and ties go to the earlier (shallower) candidate, so a kept node's 
 drafting runs as tensors only at shapes fixed by the setting (tree_graph.py), replayed from a CUDA graph on GPU.
 
 Verifying (a drafted tree is a proposers.Draft, decoded by the one loop of speculative.py; with a compiled
-runtime by its device-resident twin, pipelined.TreeSteps, which does the same on the device): one target forward
+runtime by its device-resident twin, device_tree.TreeSteps, which does the same on the device): one target forward
 over [root, nodes...] at positions n + depth, each attending to the cached prefix, the root and its own ancestors.
 The longest root-to-leaf path whose every token equals the target's argmax at its
 parent is accepted, plus the target's token after it (the bonus); the target's cache keeps the prefix and that
@@ -28,10 +28,11 @@ import torch
 
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.runtime.decode import TargetRuntime
+from eagle3_pipeline.runtime.device_tree import TreeSteps
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.kv_cache import has_sliding_layers
 from eagle3_pipeline.runtime.methods import TreeSetting
-from eagle3_pipeline.runtime.pipelined import DeviceSteps, TreeSteps
+from eagle3_pipeline.runtime.pipelined import DeviceSteps
 from eagle3_pipeline.runtime.proposers import Draft
 from eagle3_pipeline.runtime.tree_graph import CapturedTree, TreeRows, tree_drafts
 
@@ -62,7 +63,7 @@ class TreeDrafter:
         self.proposer = DrafterProposer(drafter, static=True, compiled=compiled, log=log)  # prompts: its graphs
         self.drafter = self.proposer.drafter
         self.setting = setting
-        self.recorded_step: Any = None  # pipelined.RecordedStep: the device-resident tree step's graphs
+        self.recorded_step: Any = None  # draft_graph.RecordedStep: the device-resident tree step's graphs
 
     def reset(self, rows: int = 0) -> None:
         self.proposer.reset(rows)

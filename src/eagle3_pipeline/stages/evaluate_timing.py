@@ -13,7 +13,8 @@ from eagle3_pipeline import logs
 from eagle3_pipeline.drafter.model import Drafter
 from eagle3_pipeline.formats import evaluation
 from eagle3_pipeline.prompts import Prompt, load_prompts
-from eagle3_pipeline.runtime.decode import TargetRuntime, steps_without_cuda_graphs
+from eagle3_pipeline.runtime.compilation import steps_without_cuda_graphs
+from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import load_models
 from eagle3_pipeline.runtime.methods import Method, TreeSetting, parse_settings
 from eagle3_pipeline.runtime.speculative import (
@@ -39,7 +40,7 @@ class Settings:
     compile: str | bool
     trust_remote_code: bool
     trees: tuple[TreeSetting, ...]  # none where evaluate.timing.trees is false
-    # compiled: greedy and the chain decode with their loop state on the device
+    # compiled: the target alone, the chains and the trees decode with the loop's state on the device
     device_loops: bool = setting(key="timing.device_loops")
 
 
@@ -87,8 +88,8 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
 
 def warm_up(target: TargetRuntime, methods: dict[Method, Any], ids: list[int], max_new: int, eos: set[int],
             strict: bool, log: Any) -> None:
-    """Decode one prompt with every method, untimed. Should the device-resident loop fail here (its recording is
-    the newest part of the runtime), the pass goes on and says so, rather than losing the timing of every method:
+    """Decode one prompt with every method, untimed. Should the device-resident loop fail here (a step whose CUDA
+    graph cannot be recorded raises), the pass goes on and says so, rather than losing the timing of every method:
     first with the trees in the host loop (the newest steps), then with every method there."""
     while True:
         try:
