@@ -28,13 +28,11 @@ dry-run: $(STAMP)
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
-# One pytest worker per core plus one (at most 4): a worker waiting for a job to start or for a killed run's event
-# leaves its core idle, the extra one fills it. Each test file on one worker (its module fixtures are built once);
-# the session fixtures (the target, the finished tiny run, its report) are built once, by the first worker that
-# needs them. The 20 slowest tests are printed with the result; -m 'not slow' for a quick loop.
-TEST_WORKERS := $(shell python3 -c 'import os; print(min(4, (os.cpu_count() or 1) + 1))')
+# One pytest worker per core (at most 4), each test file on one worker (its module fixtures are built once); the
+# session fixtures (the target, the finished tiny run, its report) are built once, by the first worker that needs
+# them. The 20 slowest tests are printed with the result; -m 'not slow' for a quick loop.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests benchmarks tools
