@@ -201,26 +201,24 @@ class TargetRuntime:
         count = len(tokens)
         width = max(width or count, count) if self.static else count
         inputs = self._tree_inputs(tokens, positions, visible, cache, width)
-        padded = tokens + [tokens[-1]] * (width - count)
-        if self.step is None or self.tree_step_failed:
-            logits, aux = self._run(self.model.forward, padded, cache, **inputs)
-            return logits[:count], aux[:count]
-        logits, aux, failed = self._through_step(padded, cache, "tree verify", **inputs)
-        self.tree_step_failed = failed  # trees verify eagerly from now on, the chain's steps stay compiled
-        return logits[:count].clone(), aux[:count].clone()  # a CUDA graph's outputs: the next replay's
+        ids = torch.tensor([tokens + [tokens[-1]] * (width - count)], device=self.device)
+        replayed = self.step is not None and not self.tree_step_failed
+        logits, aux = self.forward_tree_device(ids, inputs["position_ids"], inputs["attention_mask"], cache)
+        # a CUDA graph's outputs are the next replay's: keep copies of the tree's rows
+        return (logits[:count].clone(), aux[:count].clone()) if replayed else (logits[:count], aux[:count])
 
     @torch.inference_mode()
     def forward_tree_device(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft tree already on the device (ids and positions [1, T], its additive mask [1, 1, T, slots]: the
-        device-resident loop's tree, device_tree.TreeState) through the compiled tree verify, reading nothing back
-        (`forward_tree` with its inputs made). The outputs may be a captured graph's: consume them before the next
-        call."""
+        device-resident loop's tree, device_tree.TreeState; `forward_tree`'s, made from lists) through the compiled
+        tree verify where there is one, reading nothing back. The outputs may be a captured graph's: consume them
+        before the next call."""
         inputs = {"position_ids": positions, "attention_mask": mask}
         if self.step is None or self.tree_step_failed:
             return self._run(self.model.forward, ids, cache, **inputs)
         logits, aux, failed = self._through_step(ids, cache, "tree verify", **inputs)
-        self.tree_step_failed = failed
+        self.tree_step_failed = failed  # trees verify eagerly from now on, the chain's steps stay compiled
         return logits, aux
 
     def _tree_inputs(self, tokens: list[int], positions: list[int], visible: torch.Tensor, cache: Any,

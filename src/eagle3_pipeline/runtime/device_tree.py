@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, cache_key, saved
+from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.methods import TreeSetting
 from eagle3_pipeline.runtime.pipelined import lengths_of
@@ -148,16 +148,14 @@ class TreeSteps:
         self.width = self.steps + 3
 
     def begin(self, target: TargetRuntime, cache: Any, context: list[int], features: torch.Tensor) -> None:
-        if (needed := self.tokens + self.steps) > target.headroom:
+        if (needed := self.tree_drafter.setting.rows_ahead) > target.headroom:
             raise ValueError(f"the device-resident tree (steps={self.steps}, tokens={self.tokens}) runs a step past "
                              f"the end: its caches need {needed} slots beyond the sequence, they keep "
                              f"{target.headroom}")
         packed = self.tree_drafter.packed(context, features, fused=False)  # the prompt's rows, then the first tree
         slots, device = int(cache.get_max_length()), target.device
-        self.state = self.recorded.buffers.get((self.tokens, slots))
-        if self.state is None:
-            self.state = self.recorded.buffers[(self.tokens, slots)] = TreeState.empty(
-                self.tokens, slots, target.model.get_input_embeddings().weight.dtype, device)
+        self.state = self.recorded.buffer((self.tokens, slots), lambda: TreeState.empty(
+            self.tokens, slots, target.model.get_input_embeddings().weight.dtype, device))
         n, root = torch.tensor([len(context) - 1, context[-1]]).to(device, non_blocking=True)
         zero = torch.zeros(1, dtype=torch.int64, device=device)  # the root is its own parent, at depth 0
         ids, parents, depths = (torch.cat([first, column.long()]) for first, column in
@@ -165,7 +163,7 @@ class TreeSteps:
         self.state.set(n.view(1), ids, parents, depths, self.steps)  # nothing read back to the host
         self.lengths = lengths_of(cache)
         self.layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
-        self.key = (*cache_key(self.proposer.cache), self.tokens, *(length.data_ptr() for length in self.lengths))
+        self.key = self.recorded.graph_key(self.proposer.cache, self.tokens, self.lengths)
 
     def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return target.forward_tree_device(self.state.ids, self.state.positions, self.state.mask, cache)

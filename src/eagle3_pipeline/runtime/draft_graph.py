@@ -198,6 +198,17 @@ class RecordedStep:
         self.calls = CapturedCalls(step, fuse=True, log=log) if on_cuda else None
         self.buffers: dict[tuple[int, ...], Any] = {}
 
+    def buffer(self, key: tuple[int, ...], make: Callable[[], Any]) -> Any:
+        """The loop state kept under `key` (made on first use): the addresses a recorded graph writes to."""
+        if key not in self.buffers:
+            self.buffers[key] = make()
+        return self.buffers[key]
+
+    def graph_key(self, drafter_cache: StaticKV, shape: int, lengths: list[torch.Tensor]) -> tuple[int, ...]:
+        """What a step's graph reads and writes besides its inputs: the drafter's cache, the step's shape (k, or a
+        tree's tokens) and the target cache, by its layers' length tensors."""
+        return (*cache_key(drafter_cache), shape, *(length.data_ptr() for length in lengths))
+
     def __call__(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor], snapshot: Callable[[], Restore],
                  **fixed: Any) -> torch.Tensor:
         """`snapshot()` saves what the step changes besides its output (loop state, cache lengths and rows) and

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_pipeline.runtime.decode import TargetRuntime
-from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, cache_key, chain_steps, saved
+from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, chain_steps, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
 
@@ -264,13 +264,11 @@ class ChainSteps:
                              f"more while recording): its caches need {4 * k + 2} slots beyond the sequence, they "
                              f"keep {target.headroom}")
         drafts, _ = self.proposer.chain(context, features, k)  # the prompt's rows, then the first chain
-        if (k,) not in self.recorded.buffers:
-            self.recorded.buffers[(k,)] = torch.empty(k + 2, dtype=torch.int64, device=drafts.device)
-        self.state = self.recorded.buffers[(k,)]
+        self.state = self.recorded.buffer((k,), lambda: torch.empty(k + 2, dtype=torch.int64, device=drafts.device))
         self.state[:2].copy_(torch.tensor([len(context) - 1, context[-1]]), non_blocking=True)
         self.state[2:].copy_(drafts)
         self.lengths = lengths_of(cache)
-        self.key = (*cache_key(self.proposer.cache), k, *(length.data_ptr() for length in self.lengths))
+        self.key = self.recorded.graph_key(self.proposer.cache, k, self.lengths)
 
     def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return target.forward_device(self.state[1:][None], cache)
