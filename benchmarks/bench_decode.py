@@ -38,6 +38,7 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.prompts import load_prompts
 from eagle3_pipeline.runtime import decode as runtime
+from eagle3_pipeline.runtime import draft_graph
 from eagle3_pipeline.runtime.drafting import DrafterProposer, load_served_for
 from eagle3_pipeline.runtime.methods import TreeSetting
 from eagle3_pipeline.runtime.speculative import synchronize
@@ -202,9 +203,13 @@ def main() -> None:
                         help="compiled mode: which decoding loops to time, in this order")
     parser.add_argument("--trees", nargs="*", default=[], metavar="S,K,T",
                         help="draft trees to time too: num_steps,topk,num_draft_tokens")
+    parser.add_argument("--combo-kernels", action="store_true",
+                        help="the drafter's fused steps with inductor's combo kernels (independent kernels side by "
+                             "side, e.g. a tree step's per-layer KV moves)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
+    draft_graph.COMBO_KERNELS = args.combo_kernels
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("bench_decode")
     device = "cuda" if torch.cuda.is_available() else "cpu"

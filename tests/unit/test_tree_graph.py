@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
-from eagle3_pipeline.runtime import speculative
+from eagle3_pipeline.runtime import speculative, tree_graph
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.methods import TreeSetting
 from eagle3_pipeline.runtime.proposers import Draft, TargetAlone
@@ -152,3 +152,14 @@ def test_fused_tree_drafting_drafts_the_eager_trees(model):
     torch.testing.assert_close(fused_tree[3], eager[3], rtol=1e-4, atol=1e-4)  # cumulative log-probabilities
     explained = torch._dynamo.explain(tree_drafts)(**arguments())
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+@pytest.mark.parametrize("width", [64, 200, 4096 + 7])
+def test_top_k_in_two_rounds_picks_what_torch_topk_picks(width):
+    scores = torch.randn(8, width, generator=torch.Generator().manual_seed(width)).to(DEVICE)
+    expected_values, expected_columns = scores.topk(5)
+    for slice_width in (16, 1024):
+        values, columns = tree_graph.top_k(scores, 5, slice_width)
+        assert torch.equal(values, expected_values)
+        assert torch.equal(columns, expected_columns)  # random scores: no ties
+        assert torch.equal(scores.gather(1, columns), values)

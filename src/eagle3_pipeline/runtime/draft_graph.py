@@ -71,11 +71,16 @@ class _Graph:
     outputs: tuple[torch.Tensor, ...]
 
 
+# inductor's combo kernels (independent kernels fused side by side, e.g. a tree step's per-layer KV moves):
+# off until measured on a GPU (benchmarks/bench_decode.py --combo-kernels)
+COMBO_KERNELS = False
+
+
 def fused(steps: Callable[..., Any]) -> Callable[..., Any]:
     """`steps` compiled by inductor without CUDA graphs of its own (ours record it): a drafter step's norms,
     rotary and elementwise ops fuse into a few kernels instead of ~60 launches of tiny ones. One compilation per
     shape (k, cache size, tree setting)."""
-    return torch.compile(steps, dynamic=False)
+    return torch.compile(steps, dynamic=False, options={"combo_kernels": True} if COMBO_KERNELS else None)
 
 
 class CapturedCalls:
