@@ -289,3 +289,28 @@ def test_a_steps_snapshot_puts_back_everything_the_step_changes(trained_tiny, me
     restore()
     for now, then in zip((*state, *steps.lengths, *layers), before, strict=True):
         assert torch.equal(now, then)
+
+
+@torch.inference_mode()
+def test_a_target_cache_that_disagrees_with_the_loop_state_stops_the_device_loop(trained_tiny):
+    """After a prompt the device-resident loop checks that the target cache holds the rows its state counts: a
+    recorded step that rewound a length wrongly raises (the timing pass then times that method in the host loop)
+    instead of timing a broken decode."""
+    from eagle3_pipeline.runtime.pipelined import GreedySteps, check_rows
+
+    target, _, _ = trained_tiny
+    runtime = TargetRuntime(target.model, [1, 2, 3], static=True)
+    cache = runtime.new_cache(32)
+    runtime.forward(list(range(1, 10)), cache)  # 9 rows
+
+    class Counted(GreedySteps):
+        def __init__(self, rows: int):
+            self.rows = rows
+
+        def cached_rows(self) -> int:
+            return self.rows
+
+    check_rows(Counted(9), cache, "eagle3@k=4")
+    check_rows(GreedySteps(), cache, "target")  # the target alone counts nothing
+    with pytest.raises(RuntimeError, match="eagle3@k=4: .* holds 9 rows, the loop state counts 183"):
+        check_rows(Counted(183), cache, "eagle3@k=4")

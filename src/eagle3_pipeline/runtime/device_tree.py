@@ -121,7 +121,11 @@ def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState,
     source, moved = n + path, n + 1 + index[:steps]  # past the path: the root's row, into slots forgotten below
     for tensor in layers:
         tensor.index_copy_(2, moved, tensor.index_select(2, source))
-    torch._foreach_sub_(lengths, [width - 1 - accepted] * len(lengths))
+    # layer by layer, not one multi-tensor subtraction: on the H200 inductor's code for that read a reused buffer
+    # (the length fell by width - 1 - the path's first token instead of by the rejected rows; a GPU test caught it)
+    rejected = width - 1 - accepted
+    for length in lengths:
+        length.sub_(rejected)
     real_rows = torch.cat([nodes[:1], path]).index_select(0, torch.minimum(index, accepted))  # root, path, padding
     hidden = aux.index_select(0, real_rows).to(drafter.fc.weight.dtype)
     (packed,) = tree_steps(drafter, tokens[None], hidden[None], (n + index)[None], accepted.view(1), cache, rows,
@@ -189,6 +193,9 @@ class TreeSteps:
 
     def read(self, values: list[int]) -> tuple[int, int, list[int]]:
         return values[0], values[1], values[2:values[0] + 3]
+
+    def cached_rows(self) -> int:
+        return int(self.state.n)
 
     def end(self) -> None:
         self.tree_drafter.reset()

@@ -33,7 +33,7 @@ import torch
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, chain_steps, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
-from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
+from eagle3_pipeline.runtime.traces import PhaseClock, Trace, append_until_eos, prefill, synchronize
 
 
 class LateReader:
@@ -61,38 +61,6 @@ class LateReader:
         return self.rows[slot].tolist()
 
 
-class PhaseClock:
-    """Time per phase of each step: on a GPU spans of the device's timeline between CUDA events (idle gaps included
-    where the host is behind), read once at the end; wall time where there is no GPU."""
-
-    def __init__(self, device: torch.device):
-        self.on_gpu = device.type == "cuda"
-        self.steps: list[list[tuple[str | None, Any]]] = []
-
-    def start(self) -> None:
-        """A new step."""
-        self.steps.append([(None, self._now())])
-
-    def mark(self, phase: str) -> None:
-        """The end of `phase` in the current step."""
-        self.steps[-1].append((phase, self._now()))
-
-    def _now(self) -> Any:
-        if not self.on_gpu:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def totals(self, steps: int) -> dict[str, float]:
-        """Seconds per phase over the first `steps` steps (not a step launched past the end and dropped)."""
-        seconds = {"draft": 0.0, "verify": 0.0}
-        for marks in self.steps[:steps]:
-            for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
-                seconds[phase] += begin.elapsed_time(end) / 1000 if self.on_gpu else end - begin
-        return seconds
-
-
 class DeviceSteps(Protocol):
     """A method's steps in the device-resident loop. `drafting` False: the target alone; `width`: integers each
     step reports to the host."""
@@ -117,6 +85,11 @@ class DeviceSteps(Protocol):
 
     def end(self) -> None:
         """After the sequence (a drafter's rows were written on the device: the host's count of them is stale)."""
+        ...
+
+    def cached_rows(self) -> int | None:
+        """The target cache's rows as the loop state counts them (read once the device is idle), None where the
+        state does not count them: the cache must hold as many."""
         ...
 
 
@@ -154,8 +127,18 @@ def decode_on_device(target: TargetRuntime, steps: DeviceSteps, prompt_ids: list
 
     run_ahead(trace, launch, reader, record, max_new, eos)
     synchronize(target.device)
+    check_rows(steps, cache, method)
     steps.end()
     return finish(trace, clock, drafting, start, max_new)
+
+
+def check_rows(steps: DeviceSteps, cache: Any, method: str) -> None:
+    """Raise where the target cache's length and the loop state's row count differ after a prompt: a recorded step
+    moved rows or rewound lengths wrongly, and the timing would be of a broken decode (the timing pass's warm-up
+    then times the method in the host loop)."""
+    if (rows := steps.cached_rows()) is not None and rows != (held := int(cache.get_seq_length())):
+        raise RuntimeError(f"{method}: after the device-resident loop the target cache holds {held} rows, the loop "
+                           f"state counts {rows}")
 
 
 def finish(trace: Trace, clock: PhaseClock, drafting: bool, start: float, max_new: int) -> Trace:
@@ -217,6 +200,9 @@ class GreedySteps:
 
     def end(self) -> None:
         pass
+
+    def cached_rows(self) -> None:
+        return None  # the compiled target step counts its own rows
 
 
 def lengths_of(cache: Any) -> list[torch.Tensor]:
@@ -282,6 +268,9 @@ class ChainSteps:
 
     def read(self, values: list[int]) -> tuple[int, int, list[int]]:
         return values[0], self.k, values[1:values[0] + 2]
+
+    def cached_rows(self) -> int:
+        return int(self.state[0])
 
     def end(self) -> None:
         self.proposer.reset()

@@ -1,8 +1,10 @@
-"""What one decoding method leaves per prompt: its trace (tokens, accepted drafts per verify step, seconds), shared
-by the host decoding loop (runtime/speculative.py) and the device-resident loops (runtime/pipelined.py)."""
+"""What one decoding method leaves per prompt: its trace (tokens, accepted drafts per verify step, seconds) and the
+clock of its phases, shared by the host decoding loop (runtime/speculative.py) and the device-resident loops
+(runtime/pipelined.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,3 +54,35 @@ def prefill(target: Any, prompt_ids: list[int], max_new: int, trace: Trace) -> t
     context = list(prompt_ids) + [int(logits[-1].argmax())]
     trace.tokens.append(context[-1])
     return cache, features, context
+
+
+class PhaseClock:
+    """Time per phase of each step: on a GPU spans of the device's timeline between CUDA events (idle gaps included
+    where the host is behind), read once at the end; wall time where there is no GPU."""
+
+    def __init__(self, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        self.steps: list[list[tuple[str | None, Any]]] = []
+
+    def start(self) -> None:
+        """A new step."""
+        self.steps.append([(None, self._now())])
+
+    def mark(self, phase: str) -> None:
+        """The end of `phase` in the current step."""
+        self.steps[-1].append((phase, self._now()))
+
+    def _now(self) -> Any:
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def totals(self, steps: int) -> dict[str, float]:
+        """Seconds per phase over the first `steps` steps (not a step launched past the end and dropped)."""
+        seconds = {"draft": 0.0, "verify": 0.0}
+        for marks in self.steps[:steps]:
+            for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
+                seconds[phase] += begin.elapsed_time(end) / 1000 if self.on_gpu else end - begin
+        return seconds
