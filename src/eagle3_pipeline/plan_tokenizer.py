@@ -70,16 +70,12 @@ class TokenizerSource:
 
     def _load(self, saved_dir: Path) -> Any:
         if is_materialised(self.target_dir):  # what the tokenize stage itself loads
-            from eagle3_pipeline.runtime.target.loading import load_tokenizer
-
-            return load_tokenizer(self.target_dir, self.trust_remote_code)
+            return counting_tokenizer(self.target_dir, self.trust_remote_code)
         gguf = gguf_path(self.source, self.gguf_file)
         if gguf is not None:
             tokenizer = saved_gguf_tokenizer(gguf, saved_dir)
         elif Path(self.source).is_dir():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=self.trust_remote_code)
+            tokenizer = counting_tokenizer(Path(self.source), self.trust_remote_code)
         elif self._cached_hub_file() is not None:
             from transformers import AutoTokenizer
 
@@ -94,12 +90,27 @@ class TokenizerSource:
         return tokenizer
 
 
+def counting_tokenizer(directory: Path, trust_remote_code: bool = False) -> Any:
+    """A directory's tokenizer for counting tokens. With a tokenizer.json and no remote code: transformers' generic
+    fast tokenizer over it (the vocabulary, merges, special tokens and chat template the tokenize stage's
+    AutoTokenizer uses), loaded in about a second; AutoTokenizer takes ~4 s on a small CPU (it imports torch and
+    scans every model family to pick its class), paid by every `snakemake` run in a fresh directory before the
+    plan could print."""
+    if not trust_remote_code and (directory / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast  # (importing AutoTokenizer alone costs ~2 s)
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+
+
 def saved_gguf_tokenizer(gguf: Path, saved_dir: Path) -> Any:
     """The GGUF's tokenizer, built from its header once and then read from its saved copy."""
     from transformers import AutoTokenizer
 
     if saved_dir.is_dir():
-        return AutoTokenizer.from_pretrained(str(saved_dir))
+        return counting_tokenizer(saved_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with atomic_dir(saved_dir, replace=True) as partial:
         tokenizer.save_pretrained(str(partial))

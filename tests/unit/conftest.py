@@ -57,34 +57,46 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
     return target_dir, store, vocab_path
 
 
-def trained_tiny_drafter(tmp_path):
-    """A drafter trained (8 epochs, 3 TTT steps) on `tiny_target_with_store`'s motif data, exported and loaded as a
-    server would, with that target's runtime and store: (target runtime, drafter, store path)."""
-    from eagle3_pipeline.runtime import drafting
-    from eagle3_pipeline.runtime.decode import TargetRuntime
-    from eagle3_pipeline.runtime.target.loading import load_model
+def build_trained_tiny(folder):
+    """A drafter trained (8 epochs, 3 TTT steps) on `tiny_target_with_store`'s motif data and exported, all under
+    `folder` (target/, hidden.zarr, serving/)."""
     from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.stages import export
     from eagle3_pipeline.training.loop import train
     from eagle3_pipeline.training.settings import TrainSettings
     from eagle3_pipeline.workflow_config import schema_defaults
 
-    target_dir, store, vocab_path = tiny_target_with_store(tmp_path)
-    model = train([store], target_dir, vocab_path, tmp_path / "state",
+    target_dir, store, vocab_path = tiny_target_with_store(folder)
+    model = train([store], target_dir, vocab_path, folder / "state",
                   from_section(TrainSettings, schema_defaults("train") | dict(
                       ttt_steps=3, learning_rate=3e-3, warmup_steps=2, epochs=8, batch_tokens=256, max_seq_len=64,
                       checkpoint_every=100, log_every=5, num_workers=0, device="cpu")))
-    export.export(model, tmp_path / "serving", dtype="float32")
-    drafter = drafting.load_served_for(target_dir, tmp_path / "serving", torch.float32)
-    target = TargetRuntime(load_model(target_dir, "cpu", torch.float32), drafter.config.aux_layer_ids)
-    return target, drafter, store
+    export.export(model, folder / "serving", dtype="float32")
+
+
+def load_trained_tiny(folder):
+    """`build_trained_tiny`'s drafter loaded as a server would, with its target's runtime and store: (target
+    runtime, drafter, store path)."""
+    from eagle3_pipeline.runtime import drafting
+    from eagle3_pipeline.runtime.decode import TargetRuntime
+    from eagle3_pipeline.runtime.target.loading import load_model
+
+    drafter = drafting.load_served_for(folder / "target", folder / "serving", torch.float32)
+    target = TargetRuntime(load_model(folder / "target", "cpu", torch.float32), drafter.config.aux_layer_ids)
+    return target, drafter, folder / "hidden.zarr"
 
 
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
-    """`trained_tiny_drafter`, trained once per session: the decoding tests only read it (each builds the runtimes
-    and proposers it needs around the shared target model and drafter)."""
-    return trained_tiny_drafter(tmp_path_factory.mktemp("trained-tiny"))
+    """The tiny trained drafter, built once per test run (the pytest workers share it) and loaded by each worker:
+    the decoding tests only read it (each builds the runtimes and proposers it needs around the shared target model
+    and drafter)."""
+    from tests.conftest import built_once
+
+    with built_once(tmp_path_factory, "trained-tiny") as (folder, built):
+        if not built:
+            build_trained_tiny(folder)
+    return load_trained_tiny(folder)
 
 
 def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int = 0):
