@@ -1,5 +1,5 @@
 """Top-k over a draft vocabulary, as a draft tree takes it every depth: torch.topk against tree_graph.top_k's two
-rounds (the best k of each slice, then of those), per shape and slice width, in one run. On a GPU each variant is
+passes (the best k of each slice, then of those), per shape and slice width, in one run. On a GPU each variant is
 recorded in a CUDA graph of `--calls` calls and replayed (kernel time, no launch overhead: what the device-resident
 loop pays); on a CPU it runs eagerly.
 

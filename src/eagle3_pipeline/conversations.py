@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from eagle3_pipeline.copying import CopyBoost
 from eagle3_pipeline.raw_records import UNDECODABLE_BYTE, DropReport, IngestError, RawRecord, iter_raw_records
 
 ROLE_MAP = {
@@ -227,13 +228,15 @@ class Split(NamedTuple):
 
 
 def split(conversations: Conversations, num_shards: int, eval_count: int, selection_count: int,
-          train_count: int | None, seed: int, weights: dict[str, float] | None = None) -> Split:
+          train_count: int | None, seed: int, weights: dict[str, float] | None = None,
+          copying: CopyBoost | None = None) -> Split:
     """Deterministic seeded split into two disjoint held-out sets and `num_shards` near-equal training shards.
 
     One seeded order: the first `eval_count` conversations are the evaluation set (the same for a seed whatever
     `selection_count` is), the next `selection_count` the selection set, the rest (at most `train_count`) training.
     `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each in twice
-    and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training."""
+    and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training.
+    `copying` multiplies the weight of conversations whose replies copy from the user (copying.CopyBoost)."""
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
     held_out = eval_count + selection_count
@@ -241,8 +244,8 @@ def split(conversations: Conversations, num_shards: int, eval_count: int, select
     if train_count is not None:
         train_ids = train_ids[:train_count]
     training = [conversations[i] for i in train_ids]
-    if weights:
-        training = _repeat_by_weight(training, weights, seed)
+    if weights or (copying is not None and copying.active):
+        training = _repeat_by_weight(training, weights or {}, seed, copying)
     if len(training) < num_shards:
         raise IngestError(f"only {len(training)} training conversations for {num_shards} shards (after "
                           f"{len(eval_ids)} held out for evaluation and {len(selection_ids)} for selection)")
@@ -250,11 +253,12 @@ def split(conversations: Conversations, num_shards: int, eval_count: int, select
     return Split(shards, [conversations[i] for i in eval_ids], [conversations[i] for i in selection_ids])
 
 
-def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: int) -> Conversations:
+def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: int,
+                      copying: CopyBoost | None = None) -> Conversations:
     rng = random.Random(seed + 1)
     weighted = []
     for conversation in training:
-        weight = weights.get(conversation["source"], 1.0)
+        weight = weights.get(conversation["source"], 1.0) * (copying.factor(conversation) if copying else 1.0)
         copies = int(weight) + (rng.random() < weight - int(weight))
         weighted += [conversation if n == 1 else conversation | {"id": f"{conversation['id']}#{n}"}
                      for n in range(1, copies + 1)]

@@ -24,13 +24,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.copying import CopyBoost
 from eagle3_pipeline.formats import reports
 from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
 
 SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
 ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
 DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations",
-             "selection_conversations", "weights", "seed", "num_shards")
+             "selection_conversations", "weights", "copying_weight", "copying_min_share", "seed", "num_shards")
 
 
 @dataclass
@@ -203,13 +204,16 @@ class TokenEstimator:
         samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
         weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
         kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
+        copying = CopyBoost(self.data.get("copying_min_share", 0.2), self.data.get("copying_weight", 1.0))
         for sample in samples:
             tokens = sample_tokens(tokenizer, sample.kept, self.data)
-            kept_records = sample.records * len(sample.kept) / max(sample.sampled, 1)
+            per_record = sample.records / max(sample.sampled, 1)  # the input's records one sampled record stands for
             weight = float(weight_of.get(sample.name, 1.0))
-            kept += kept_records
-            weighted += weight * kept_records
-            weighted_tokens += weight * kept_records * sum(tokens) / max(len(tokens), 1)
+            for conversation, count in zip(sample.kept, tokens, strict=True):
+                repeats = weight * copying.factor(conversation)  # as ingest repeats it (conversations.split)
+                kept += per_record
+                weighted += repeats * per_record
+                weighted_tokens += repeats * per_record * count
         total = training_conversations(kept, weighted / kept if kept else 0.0, self.data)
         counts = split_counts(total, len(self.shards))
         return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},

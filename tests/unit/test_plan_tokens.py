@@ -23,7 +23,8 @@ from eagle3_pipeline.tokenization import template_hash
 
 SHARDS = ["00000", "00001"]
 DATA = {"num_shards": 2, "eval_conversations": 20, "selection_conversations": 10, "train_conversations": 300, "seed": 7,
-        "weights": [1.0, 2.0], "max_seq_len": 384, "overlength": "truncate", "end_of_turn": None}
+        "weights": [1.0, 2.0], "copying_weight": 1.0, "copying_min_share": 0.2, "max_seq_len": 384,
+        "overlength": "truncate", "end_of_turn": None}
 SAMPLE = 150
 
 
@@ -95,6 +96,24 @@ def test_the_sampled_estimate_is_within_10_percent_of_what_tokenize_writes(packa
     assert template_hash(load_tokenizer(saved)) == template_hash(load_tokenizer(target_dir))
     print(f"estimate {sum(before.tokens(s) for s in SHARDS)} / {sum(after.tokens(s) for s in SHARDS)}, exact "
           f"{sum(tokens)}; conversations {sum(before.conversations.values())}, exact {sum(conversations)}")
+
+
+def test_the_estimate_counts_the_copies_of_conversations_that_copy_from_the_user(package_slice, saved_gguf_tokenizer,
+                                                                                  target_dir, tmp_path):
+    """data.copying_weight repeats the conversations whose replies copy from the user: the estimate from the raw
+    inputs counts their copies as ingest writes them."""
+    shutil.copytree(saved_gguf_tokenizer, tmp_path / "cache" / "tokenizers")
+    boosted = dataclasses.replace(estimator(package_slice, tmp_path / "cache"),
+                                  data=DATA | {"copying_weight": 3.0, "copying_min_share": 0.2})
+    plain = estimator(package_slice, tmp_path / "cache").estimate
+    log = logging.getLogger("test")
+    shards = [tmp_path / f"shard-{name}.jsonl" for name in SHARDS]
+    written = ingest.run(package_slice, shards, tmp_path / "eval.jsonl", tmp_path / "selection.jsonl",
+                         tmp_path / "report.json", from_section(ingest.Settings, boosted.data), log)
+    exact = written["train_conversations"]
+    estimated = sum(boosted.estimate.conversations.values())
+    assert exact > sum(plain.conversations.values()) * 1.1  # the slice's copying replies: more than a few
+    assert abs(estimated / exact - 1) < 0.05
 
 
 def test_the_same_seed_gives_the_same_estimate_and_a_job_reads_the_cached_one(package_slice, saved_gguf_tokenizer,

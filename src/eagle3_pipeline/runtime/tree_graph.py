@@ -93,10 +93,10 @@ def tree_steps(drafter: Drafter, ids: torch.Tensor, hidden: torch.Tensor, positi
 
 
 def top_k(scores: torch.Tensor, k: int, slice_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scores.topk(k)` over the rows of [rows, width], in two rounds on a GPU when the rows are wide: the best k of
+    """`scores.topk(k)` over the rows of [rows, width], in two passes on a GPU when the rows are wide: the best k of
     every `slice_width` columns (default 1024), then the best k of those. torch's top-k gives a row one GPU block,
     which made it the costliest kernel of a tree step (80 us for 8 rows of a 16k draft vocabulary on an H200, more
-    than the drafter's forward); slices spread the first round over many blocks. On a CPU one round is faster.
+    than the drafter's forward); slices spread the first pass over many blocks. On a CPU one pass is faster.
     Which of equal scores wins is unspecified, as in torch.topk."""
     rows, width = scores.shape
     if slice_width is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import conversations, logs
+from eagle3_pipeline.copying import CopyBoost
 from eagle3_pipeline.formats import conversation_shards, reports
 from eagle3_pipeline.settings import from_section, setting
 
@@ -21,6 +22,12 @@ class Settings:
     train_conversations: int | None
     seed: int
     weights: tuple[float, ...] | None = setting(convert=tuple)  # one per input; None: every input once
+    copying_weight: float  # how often a conversation whose replies copy from the user counts
+    copying_min_share: float  # of its replies' word 4-grams found in the user's turns
+
+    @property
+    def copying(self) -> CopyBoost:
+        return CopyBoost(self.copying_min_share, self.copying_weight)
 
 
 def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, selection_output: Path,
@@ -33,7 +40,8 @@ def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, select
     if settings.weights:  # by source file name: normalized conversations record the file they came from
         weights = {path.name: w for path, w in zip(inputs, settings.weights, strict=True)}
     parts = conversations.split(kept, settings.num_shards, settings.eval_conversations,
-                                settings.selection_conversations, settings.train_conversations, settings.seed, weights)
+                                settings.selection_conversations, settings.train_conversations, settings.seed, weights,
+                                settings.copying)
     for shard, path in zip(parts.shards, shard_outputs, strict=True):
         conversation_shards.write(path, shard)
     conversation_shards.write(eval_output, parts.evaluation)

@@ -1,0 +1,54 @@
+"""How much a conversation's replies copy from the user: the share of the replies' word 4-grams that already appear
+in the user's (and the system's) earlier turns. Replies that quote, edit, translate or rewrite the prompt teach a
+drafter to copy from its context, which an EAGLE-3 drafter can see through the target's hidden states; prompts with
+explicit constraints (words to include, formats to follow) reward it. `data.copying_weight` uses such conversations
+more often in training (conversations.split), as `data.weights` does for a whole input.
+
+Earlier replies are not a source: a reply repeating the assistant's own text (a loop) is not copying the user."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+WORD = re.compile(r"\w+")
+SPAN = 4  # words: long enough that common phrases ("it is a", "in order to") rarely match by chance
+
+
+def word_spans(text: str) -> list[tuple[str, ...]]:
+    words = WORD.findall(text.lower())
+    return [tuple(words[i:i + SPAN]) for i in range(len(words) - SPAN + 1)]
+
+
+def copied_share(messages: list[dict[str, str]]) -> float:
+    """Of every reply's word 4-grams, the share already in the user's or system's turns before that reply (0 for
+    replies shorter than four words)."""
+    prompt: set[tuple[str, ...]] = set()
+    copied = total = 0
+    for message in messages:
+        spans = word_spans(message["content"])
+        if message["role"] == "assistant":
+            total += len(spans)
+            copied += sum(span in prompt for span in spans)
+        else:
+            prompt.update(spans)
+    return copied / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class CopyBoost:
+    """Conversations whose replies copy at least `min_share` of their 4-grams from the user count `weight` times
+    (`data.copying_weight`, `data.copying_min_share`)."""
+    min_share: float
+    weight: float
+
+    @property
+    def active(self) -> bool:
+        return self.weight != 1.0
+
+    def factor(self, conversation: dict[str, Any]) -> float:
+        """The conversation's weight from copying: `weight` if it copies enough, else 1."""
+        if not self.active:
+            return 1.0
+        return self.weight if copied_share(conversation["messages"]) >= self.min_share else 1.0
