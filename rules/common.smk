@@ -5,7 +5,7 @@ from eagle3_pipeline import assets
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import plan_fixed, plan_tokens, target_shape
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
-from eagle3_pipeline import workflow_config
+from eagle3_pipeline import copying, workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 from eagle3_pipeline.layout import RunLayout
 
@@ -52,6 +52,7 @@ except workflow_config.ConfigError as exc:
     sys.exit(f"Config error: {exc}")  # one line, no traceback
 for warning in SETTINGS.warnings:
     print(f"WARNING: {warning}", file=sys.stderr)
+DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the copying keys only when in use
 
 
 def job_settings(section):

@@ -10,7 +10,7 @@ rule ingest:
         selection=SELECTION_CONVERSATIONS,
         report=INGEST_REPORT,
     params:
-        data=config["data"],
+        data=DATA_PARAMS,
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -26,7 +26,7 @@ rule tokenize:
     output:
         directory(TOKEN_SHARD),
     params:
-        data=config["data"],
+        data=DATA_PARAMS,
         trust_remote_code=config["target"]["trust_remote_code"],
     conda:
         "../envs/pipeline.yaml"

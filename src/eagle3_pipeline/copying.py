@@ -9,6 +9,7 @@ Earlier replies are not a source: a reply repeating the assistant's own text (a 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,14 @@ class CopyBoost:
     min_share: float
     weight: float
 
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> CopyBoost:
+        """From the data section, or from the data rules' params, which leave the copying keys out while copying is
+        off (`rule_params`)."""
+        if "copying_weight" not in data:
+            return cls(min_share=1.0, weight=1.0)  # off
+        return cls(data["copying_min_share"], data["copying_weight"])
+
     @property
     def active(self) -> bool:
         return self.weight != 1.0
@@ -52,3 +61,12 @@ class CopyBoost:
         if not self.active:
             return 1.0
         return self.weight if copied_share(conversation["messages"]) >= self.min_share else 1.0
+
+
+def rule_params(data: dict[str, Any]) -> dict[str, Any]:
+    """The data section as the data rules' params: without the copying keys while copying is off (weight 1), so a
+    results directory written before they existed is not redone from ingest on for a setting that changes nothing
+    (Snakemake reruns a rule whose params changed)."""
+    if data.get("copying_weight", 1.0) != 1.0:
+        return data
+    return {key: value for key, value in data.items() if key not in ("copying_weight", "copying_min_share")}

@@ -204,7 +204,7 @@ class TokenEstimator:
         samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
         weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
         kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
-        copying = CopyBoost(self.data.get("copying_min_share", 0.2), self.data.get("copying_weight", 1.0))
+        copying = CopyBoost.of(self.data)
         for sample in samples:
             tokens = sample_tokens(tokenizer, sample.kept, self.data)
             per_record = sample.records / max(sample.sampled, 1)  # the input's records one sampled record stands for

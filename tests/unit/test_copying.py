@@ -51,3 +51,15 @@ def test_copying_weight_repeats_only_the_training_conversations_that_copy():
     both = split(every, 2, 10, 5, None, seed=3, weights={"chats.json": 2.0}, copying=CopyBoost(0.5, 2.0))
     ids = [c["id"] for shard in both.shards for c in shard]
     assert sum(i.startswith("c") for i in ids) == 4 * sum(i.startswith("c") for i in once)  # weights multiply
+
+
+def test_the_data_rules_params_leave_copying_out_while_it_is_off():
+    """A results directory from before the copying keys existed keeps its ingest and tokenize params (no rerun)
+    unless copying is switched on; the stage reads what it was given."""
+    from eagle3_pipeline.copying import rule_params
+
+    data = {"inputs": ["a.json"], "seed": 1, "copying_weight": 1.0, "copying_min_share": 0.2}
+    assert rule_params(data) == {"inputs": ["a.json"], "seed": 1}
+    assert not CopyBoost.of(rule_params(data)).active
+    on = data | {"copying_weight": 3.0}
+    assert rule_params(on) == on and CopyBoost.of(rule_params(on)) == CopyBoost(min_share=0.2, weight=3.0)

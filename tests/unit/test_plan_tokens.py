@@ -58,7 +58,7 @@ def exact_tokens(inputs, target_dir, folder) -> tuple[list[int], list[int]]:
     log = logging.getLogger("test")
     shards = [folder / f"shard-{name}.jsonl" for name in SHARDS]
     ingest.run(inputs, shards, folder / "eval.jsonl", folder / "selection.jsonl", folder / "report.json",
-               from_section(ingest.Settings, DATA), log)
+               ingest.ingest_settings(DATA), log)
     settings = from_section(tokenize.Settings, DATA, trust_remote_code=False)
     written = [tokenize.run(path, target_dir, folder / f"{path.stem}.zarr", settings, log) for path in shards]
     return [w["conversations_in"] for w in written], [w["num_tokens"] for w in written]
@@ -109,7 +109,7 @@ def test_the_estimate_counts_the_copies_of_conversations_that_copy_from_the_user
     log = logging.getLogger("test")
     shards = [tmp_path / f"shard-{name}.jsonl" for name in SHARDS]
     written = ingest.run(package_slice, shards, tmp_path / "eval.jsonl", tmp_path / "selection.jsonl",
-                         tmp_path / "report.json", from_section(ingest.Settings, boosted.data), log)
+                         tmp_path / "report.json", ingest.ingest_settings(boosted.data), log)
     exact = written["train_conversations"]
     estimated = sum(boosted.estimate.conversations.values())
     assert exact > sum(plain.conversations.values()) * 1.1  # the slice's copying replies: more than a few

@@ -46,7 +46,7 @@ def embedded_config() -> dict:
 def test_every_stage_builds_its_settings_from_the_embedded_config():
     config = embedded_config()
     built = [
-        from_section(ingest.Settings, config["data"]),
+        ingest.ingest_settings(config["data"]),
         from_section(tokenize.Settings, config["data"], trust_remote_code=False),
         from_section(vocab.Settings, config["vocab"]),
         from_section(target.Settings, config["target"]),

@@ -22,12 +22,12 @@ class Settings:
     train_conversations: int | None
     seed: int
     weights: tuple[float, ...] | None = setting(convert=tuple)  # one per input; None: every input once
-    copying_weight: float  # how often a conversation whose replies copy from the user counts
-    copying_min_share: float  # of its replies' word 4-grams found in the user's turns
+    copying: CopyBoost  # conversations whose replies copy from the user, counted more often
 
-    @property
-    def copying(self) -> CopyBoost:
-        return CopyBoost(self.copying_min_share, self.copying_weight)
+
+def ingest_settings(data: dict[str, Any]) -> Settings:
+    """From the data section or the rule's params (which leave the copying keys out while copying is off)."""
+    return from_section(Settings, data, copying=CopyBoost.of(data))
 
 
 def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, selection_output: Path,
@@ -60,4 +60,4 @@ def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     output = snakemake.output
     run([Path(p) for p in snakemake.input], [Path(p) for p in output.shards], Path(output.eval),
-        Path(output.selection), Path(output.report), from_section(Settings, snakemake.params.data), log)
+        Path(output.selection), Path(output.report), ingest_settings(snakemake.params.data), log)
