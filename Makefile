@@ -28,11 +28,12 @@ dry-run: $(STAMP)
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
-# One pytest worker per core (at most 4), each test file on one worker (its module fixtures are built once); the
-# session fixtures (the target, the finished tiny run, its report) are built once, by the first worker that needs
-# them. The 20 slowest tests are printed with the result; -m 'not slow' for a quick loop.
+# One pytest worker per core (at most 4), each test file on one worker (its module fixtures are built once), the
+# files in tests/conftest.py's order (longest first); the session fixtures (the target, the finished tiny run, its
+# report) are built once, by the first worker that needs them. The 20 slowest tests are printed with the result;
+# -m 'not slow' for a quick loop.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=20
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests benchmarks tools
