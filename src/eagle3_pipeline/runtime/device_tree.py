@@ -121,8 +121,8 @@ def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState,
     source, moved = n + path, n + 1 + index[:steps]  # past the path: the root's row, into slots forgotten below
     for tensor in layers:
         tensor.index_copy_(2, moved, tensor.index_select(2, source))
-    # layer by layer, not one multi-tensor subtraction: on the H200 inductor's code for that read a reused buffer
-    # (the length fell by width - 1 - the path's first token instead of by the rejected rows; a GPU test caught it)
+    # layer by layer, not one multi-tensor subtraction: fused for the H200, that one subtracted the wrong operand in
+    # the GPU test (width - 1 - the path's first token, not the rejected rows), and the lengths ran off the cache
     rejected = width - 1 - accepted
     for length in lengths:
         length.sub_(rejected)
