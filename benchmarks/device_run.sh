@@ -36,6 +36,11 @@
 #             bench_decode.py when time is left; resumable across calls like compare.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
+#   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
+#             drafter.sha256 and its serving config.json), timed without a pipeline run: the CUDA-only test modules,
+#             bench_topk.py, bench_decode.py --trees (host then device loop, $TREE_ARGS), then the device loop again
+#             with --combo-kernels; each a job in a process session of its own, so the same command in the next
+#             call waits on the one still running (outputs under $OUT as <job>.txt)
 # The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
 # appended to every --configfile list.
@@ -118,6 +123,32 @@ link_run() {  # link_run FROM TO SKIPPED...: results/FROM's entries but SKIPPED 
   for entry in results/$from/*; do
     [[ " $* " == *" $(basename "$entry") "* ]] || cp -al "$entry" "results/$to/"
   done
+}
+
+job() {  # job NAME COMMAND...: COMMAND once in a process session of its own; returns 0 once it ended (its output in
+  # $out/NAME.txt), 1 while it still runs at this call's deadline (the next call waits on it)
+  local name=$1 state=/tmp/e3-jobs/$1; shift
+  mkdir -p "$state"
+  if [ ! -e "$state/pid" ]; then
+    touch "$state/log"
+    setsid bash -c '"$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "$@" < /dev/null &
+    echo $! > "$state/pid"
+  fi
+  while [ ! -e "$state/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 3; done
+  cp "$state/log" "$out/$name.txt"
+  [ -e "$state/rc" ] || { echo "$name: still running at $SECONDS s (the next call waits on it)"; return 1; }
+  echo "$name: exit $(cat "$state/rc") at $SECONDS s"
+}
+
+served_drafter() {  # the carried drafter's serving directory, joined from its parts and checked: /tmp/e3-serving
+  local serving=/tmp/e3-serving
+  if [ ! -e $serving/model.safetensors ]; then
+    mkdir -p $serving && cat "$DRAFTER"/drafter-part-* > $serving/model.safetensors
+    cp "$DRAFTER/config.json" $serving/
+    [ "$(sha256sum < $serving/model.safetensors | cut -d' ' -f1)" = "$(cat "$DRAFTER/drafter.sha256")" ] \
+      || { echo "the joined drafter's sha256 differs from $DRAFTER/drafter.sha256" >&2; rm -rf $serving; exit 1; }
+  fi
+  echo $serving
 }
 
 bench_decode() {  # bench_decode SECONDS: bench_decode.py with $BENCH_ARGS into $out/bench_decode.txt, once per lease
@@ -260,6 +291,26 @@ case $stage in
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &
     CUDA_VISIBLE_DEVICES=0 timeout $((limit - 20)) python3 benchmarks/bench_train.py > "$out/bench_train.txt" 2>&1
     wait; cat "$out/bench_train.txt" "$out/bench_extract.txt"
+    ;;
+  trees)
+    serving=$(served_drafter) || exit 1
+    gguf=/opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    decode=(python3 benchmarks/bench_decode.py --target $gguf --serving "$serving" --prompts 20 --max-new 128
+            --dtypes bfloat16 --modes compiled)
+    quiet() { grep -v "Warning\|warn\|Converting\|Loading\|Writing\|softmax\|split the reduction\|important use" "$@"; }
+    for module in test_pipelined test_tree_graph; do
+      job "$module" timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short \
+        "tests/unit/$module.py" || exit 0
+      tail -4 "$out/$module.txt"
+    done
+    job topk timeout 150 python3 benchmarks/bench_topk.py || exit 0
+    quiet "$out/topk.txt"
+    job trees timeout 1000 "${decode[@]}" ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} || exit 0
+    quiet "$out/trees.txt" | grep -v "^timing pass" | tail -20
+    job combo timeout 700 "${decode[@]}" --loops device --combo-kernels ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} \
+      || exit 0
+    quiet "$out/combo.txt" | grep -v "^timing pass" | tail -12
+    exit 0
     ;;
   ddp)
     mkdir -p /tmp/ddp
