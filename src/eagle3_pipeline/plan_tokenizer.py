@@ -107,10 +107,10 @@ def counting_tokenizer(directory: Path, trust_remote_code: bool = False) -> Any:
 
 def saved_gguf_tokenizer(gguf: Path, saved_dir: Path) -> Any:
     """The GGUF's tokenizer, built from its header once and then read from its saved copy."""
-    from transformers import AutoTokenizer
-
     if saved_dir.is_dir():
         return counting_tokenizer(saved_dir)
+    from transformers import AutoTokenizer  # (~2 s: only where the header is read)
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with atomic_dir(saved_dir, replace=True) as partial:
         tokenizer.save_pretrained(str(partial))

@@ -228,13 +228,11 @@ class TargetRuntime:
         keys = int(cache.get_max_length()) if self.static else cached + width
         after = max(positions) + 1
         position_ids = torch.tensor([positions + list(range(after, after + width - count))], device=self.device)
-        allowed = torch.zeros(width, keys, dtype=torch.bool, device=self.device)
-        allowed[:, :cached] = True
-        allowed[:, cached:cached + width] = torch.eye(width, dtype=torch.bool, device=self.device)
-        allowed[:count, cached:cached + count] = visible.to(self.device)
+        visible_rows = torch.eye(width, dtype=torch.bool, device=self.device)  # a padding row sees itself
+        visible_rows[:count, :count] = visible.to(self.device)
         dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        return {"position_ids": position_ids, "attention_mask": mask[None, None]}
+        mask = target_attention.tree_mask(torch.tensor(cached, device=self.device), visible_rows, keys, dtype)
+        return {"position_ids": position_ids, "attention_mask": mask}
 
     @torch.inference_mode()
     def keep_rows(self, cache: Any, rows: list[int]) -> None:

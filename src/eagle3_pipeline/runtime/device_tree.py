@@ -20,6 +20,7 @@ from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.methods import TreeSetting
 from eagle3_pipeline.runtime.pipelined import lengths_of
+from eagle3_pipeline.runtime.target_attention import tree_mask
 from eagle3_pipeline.runtime.tree_graph import TreeRows, tree_steps
 
 
@@ -82,17 +83,6 @@ def ancestry(parents: torch.Tensor, depth: int) -> torch.Tensor:
         ancestor = parents.index_select(0, ancestor)
         seen = seen | (ancestor[:, None] == nodes[None])
     return seen
-
-
-def tree_mask(n: torch.Tensor, visible: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, T, slots] of a tree verified at cache slots n..n+T-1: every cached row, then its
-    ancestors and itself (TargetRuntime.forward_tree's mask for a tree that fills its width)."""
-    width = visible.shape[0]
-    relative = torch.arange(slots, device=n.device) - n  # a slot's place in the tree, negative: cached
-    seen = visible.index_select(1, relative.clamp(0, width - 1))
-    allowed = (relative < 0)[None] | ((relative < width)[None] & seen)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=n.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def verified_tree_step(logits: torch.Tensor, aux: torch.Tensor, tree: TreeState, lengths: list[torch.Tensor],

@@ -7,6 +7,9 @@ cache. The verify step cost 1.73 ms against 1.54 ms for a one-token step, most o
 Two matmuls and one fused softmax read the un-repeated cache whatever the width. Registered with transformers'
 attention and mask interfaces under ATTENTION (the float mask of its eager attention); a feature it does not model
 (Gemma 2's logit softcap, attention sinks, dropout) goes to transformers' own SDPA attention.
+
+`tree_mask` builds a draft tree's additive mask, for both decoding loops (host: TargetRuntime.forward_tree; device:
+device_tree.TreeState).
 """
 
 from __future__ import annotations
@@ -55,3 +58,14 @@ def use(model: torch.nn.Module, attention: str) -> None:
     sharing a model (tests; a static runtime beside an eager one) each keep their own."""
     if model.config._attn_implementation != attention:
         model.config._attn_implementation = attention
+
+
+def tree_mask(n: torch.Tensor, visible: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, T, slots] of a tree of T rows verified at cache slots n..n+T-1 (n: [1] or [], on
+    the device): every cached row, then the rows `visible` [T, T] gives each (its ancestors and itself)."""
+    width = visible.shape[0]
+    relative = torch.arange(slots, device=n.device) - n  # a slot's place in the tree, negative: cached
+    seen = visible.index_select(1, relative.clamp(0, width - 1))
+    allowed = (relative < 0)[None] | ((relative < width)[None] & seen)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=n.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
