@@ -38,8 +38,8 @@
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
 #             drafter.sha256 and its serving config.json), timed without a pipeline run: the CUDA-only test modules,
-#             bench_topk.py, bench_decode.py --trees (host then device loop, $TREE_ARGS), then the device loop again
-#             with --combo-kernels; each a job in a process session of its own, so the same command in the next
+#             the same with --combo-kernels, bench_topk.py, bench_decode.py --trees (host then device loop,
+#             $TREE_ARGS; LOOPS=device: the device loop alone), then the device loop again with --combo-kernels; each a job in a process session of its own, so the same command in the next
 #             call waits on the one still running (outputs under $OUT as <job>.txt)
 # The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
@@ -303,9 +303,14 @@ case $stage in
         "tests/unit/$module.py" || exit 0
       tail -4 "$out/$module.txt"
     done
+    # the same CUDA-only tests with the drafter's steps in combo kernels (what must pass before they are the default)
+    job combo-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short \
+      --combo-kernels tests/unit/test_pipelined.py tests/unit/test_tree_graph.py || exit 0
+    tail -4 "$out/combo-tests.txt"
     job topk timeout 150 python3 benchmarks/bench_topk.py || exit 0
     quiet "$out/topk.txt"
-    job trees timeout 1000 "${decode[@]}" ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} || exit 0
+    job trees timeout 1000 "${decode[@]}" ${LOOPS:+--loops $LOOPS} ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} \
+      || exit 0
     quiet "$out/trees.txt" | grep -v "^timing pass" | tail -20
     job combo timeout 700 "${decode[@]}" --loops device --combo-kernels ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} \
       || exit 0
