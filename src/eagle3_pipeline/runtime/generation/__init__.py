@@ -11,6 +11,10 @@ from typing import Any, Protocol
 from eagle3_pipeline.settings import setting
 
 
+# how the HF engine turns a row's seed into its draws (hf.RowSeededSampling); a sampled run's journal records it
+HF_SAMPLER = "inverse-cdf"
+
+
 @dataclass(frozen=True)
 class Settings:
     """The `regenerate` config section, flattened (no defaults here: they are config/schema.yaml's);
@@ -44,7 +48,10 @@ class Settings:
             keys.append("samples")
         if self.drop_repetitive:
             keys += ["drop_repetitive", "repetition_threshold"]
-        return {key: getattr(self, key) for key in keys}
+        defining = {key: getattr(self, key) for key in keys}
+        if self.engine == "hf" and self.temperature > 0:  # the same seed draws other replies under another sampler
+            defining["sampler"] = HF_SAMPLER
+        return defining
 
     def template_kwargs(self) -> dict[str, Any]:
         return {} if self.thinking is None else {"enable_thinking": self.thinking}

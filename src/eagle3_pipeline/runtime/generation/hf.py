@@ -1,12 +1,14 @@
 """The HF engine: batched `generate` on the target directory (left padded; CPU or GPU).
 
 Sampling draws each reply's tokens from that reply's own seed: HF's sampling draws a whole batch from one global
-generator, so a reply would depend on its batch mates. Here generate decodes greedily over Gumbel-perturbed
-logits instead (`RowSeededSampling`): argmax(logits / T + G), G ~ Gumbel(0, 1), is a draw from softmax(logits / T),
-and each row's G comes from a generator seeded with the row's seed. What reproduces: the same seed and the same
-history on the same device and dtype give the same draws; the logits themselves can differ in their last bits
-with the padding a batch brings (as in greedy decoding), which in a near tie changes a token. A run's batches are
-a function of its input and settings, so the same config reproduces the same shard on the same machine."""
+generator, so a reply would depend on its batch mates. Here generate decodes greedily over logits that leave one
+token possible per row (`RowSeededSampling`): the token where the row's uniform draw falls in the cumulative
+distribution of softmax(logits / T) (after top-p), the draw from a host generator seeded with the row's seed,
+one draw per step. A step costs a handful of kernels whatever the batch (a device generator per row cost one
+launch per row and step). What reproduces: the same seed and the same history on the same device and dtype give
+the same draws; the logits themselves can differ in their last bits with the padding a batch brings (as in
+greedy decoding), which at a boundary of the distribution changes a token. A run's batches are a function of its
+input and settings, so the same config reproduces the same shard on the same machine."""
 
 from __future__ import annotations
 
@@ -71,22 +73,29 @@ class HFEngine:
 
 
 class RowSeededSampling:
-    """A logits processor for greedy `generate`: temperature, top-p (HF's own warper) and Gumbel noise from one
-    generator per row, so the argmax is a sample whose draws depend on the row's seed alone."""
+    """A logits processor for greedy `generate` that samples: per row, temperature, top-p (HF's own warper) and
+    inverse-CDF sampling with a uniform draw from the row's own generator, returned as logits that allow only the
+    drawn token (0 there, -inf elsewhere)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str):
-        import torch
+        import random
+
         from transformers import TopPLogitsWarper
 
-        self.torch, self.temperature = torch, temperature
+        self.temperature, self.device = temperature, device
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
-        self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+        self.generators = [random.Random(seed) for seed in seeds]
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        torch = self.torch
+        import torch
+
         scores = scores.float() / self.temperature
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=generator, device=scores.device)
-                               for generator in self.generators])
-        return scores - torch.log(-torch.log(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)))
+        # float64 sums: the last of 49k+ probabilities must not vanish into the rounding of the total
+        cumulative = torch.softmax(scores, dim=-1).double().cumsum(-1)
+        uniform = torch.tensor([generator.random() for generator in self.generators], dtype=torch.float64)
+        point = uniform.to(scores.device, non_blocking=True)[:, None] * cumulative[:, -1:]
+        # right=True: the first token whose cumulative sum passes the point, which has a probability above 0
+        drawn = torch.searchsorted(cumulative, point, right=True).clamp_(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
