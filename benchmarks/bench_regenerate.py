@@ -1,9 +1,11 @@
 """Regeneration throughput, rolling pool vs fixed chunks, in one run (HF engine; CPU or GPU); with
---temperature T, greedy vs sampled replies (T, --samples N per conversation) instead, both in rolling pools.
+--temperature T, greedy vs sampled replies (T, --samples N per conversation) instead, both in rolling pools;
+with --compiled, the eager engine (dynamic cache) vs the compiled one (static caches, padded batches, the decode
+step through torch.compile: regenerate.compile), both in rolling pools at --temperature (default greedy).
 
     python benchmarks/bench_regenerate.py --target results/<run>/target \\
         --conversations results/<run>/conversations/shard-00000.jsonl [--count 32 --batch 4 --max-new 24]
-        [--temperature 0.8 --samples 2]
+        [--temperature 0.8 --samples 2] [--compiled]
 
 Both schedules regenerate the same conversations with the same settings. "chunks" refills its pool of
 conversations only when all have finished (a chunk waits for its longest conversation); "rolling" refills
@@ -50,30 +52,44 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--temperature", type=float, help="compare greedy with sampled replies at this temperature")
     parser.add_argument("--samples", type=int, default=1, help="replies per conversation when sampling")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compare the eager engine with the compiled one (its compile time excluded)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
     chats = conversation_shards.read(args.conversations)[: args.count]
     turns = sum(m["role"] == "assistant" for c in chats for m in c["messages"])
     settings = dataclasses.replace(regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=2048),
-                                   max_new_tokens=args.max_new, batch_size=args.batch, device=args.device)
+                                   max_new_tokens=args.max_new, batch_size=args.batch, device=args.device,
+                                   compile=False)
     engine = regenerate.HFEngine(args.target, settings)
     tokenizer = engine.tokenizer
 
     def count_tokens(history):
         return len(tokenizer(render(tokenizer, history, True), add_special_tokens=False)["input_ids"])
 
-    engine.reply([chats[0]["messages"][:1]], [0])  # warm-up
-    print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch}, "
-          f"up to {args.max_new} new tokens, {engine.device}")
+    engines = {"eager": engine}
     arms = [("chunks", settings, False), ("rolling", settings, True)]
     if args.temperature is not None:
         sampled = dataclasses.replace(settings, temperature=args.temperature, samples=args.samples)
         arms = [("greedy", settings, True), (f"T={args.temperature} x{args.samples}", sampled, True)]
+    if args.compiled:
+        arm = dataclasses.replace(settings, temperature=args.temperature or 0.0, samples=args.samples)
+        engines["compiled"] = regenerate.HFEngine(args.target, dataclasses.replace(arm, compile=True))
+        arms = [("eager", arm, True), ("compiled", arm, True)]
+    for name, warm in engines.items():  # warm-up: a history per static cache size (each compiles once)
+        start = time.perf_counter()
+        for size in (512, 1024, 2048):
+            words = size - args.max_new - 40  # ~a token a word: a history that needs this size
+            warm.reply([[{"role": "user", "content": "word " * words}]], [0])
+        print(f"  warm-up {name}: {time.perf_counter() - start:.1f} s")
+    print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch}, "
+          f"up to {args.max_new} new tokens, {engine.device}")
     rates = {}
     for name, arm, rolling in arms:
+        engine = engines.get(name, engines["eager"])
         counting = CountingEngine(engine)
-        engine.settings = arm
+        engine.settings = dataclasses.replace(arm, compile=engine.compiled)
         with tempfile.TemporaryDirectory() as scratch:
             start = time.perf_counter()
             kept, counts = regenerate.regenerate_conversations(chats, counting, arm, count_tokens,

@@ -21,7 +21,7 @@
 #             stage of the first call; their output in the bundle under logs/gpu-tests/.
 #             VLLM_SMOKE=1: vLLM (benchmarks/device-stage-vllm.sh, /opt/e3/vllm on PYTHONPATH) on the run's target
 #             beside the data stage (benchmarks/vllm_smoke.py), its output in logs/vllm-smoke.txt.
-#             BENCH_REGEN=1: bench_regenerate.py greedy vs sampled ($REGEN_ARGS) beside the data stage,
+#             BENCH_REGEN=1: bench_regenerate.py, eager vs compiled engine, sampled ($REGEN_ARGS) beside the data stage,
 #             into logs/bench-regenerate.txt.
 #             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
 #             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed). Checked on
@@ -227,7 +227,7 @@ case $stage in
        echo "vllm smoke exit $?" >> logs/vllm-smoke.txt) &
       smoke=$!
     fi
-    # BENCH_REGEN=1: greedy vs sampled regeneration throughput (bench_regenerate.py, $REGEN_ARGS) on the run's
+    # BENCH_REGEN=1: eager vs compiled regeneration throughput (bench_regenerate.py, $REGEN_ARGS) on the run's
     # first conversation shard, beside the data stage (both arms under the same load)
     if [ "${BENCH_REGEN:-0}" = 1 ] && [ ! -e logs/bench-regenerate.txt ]; then
       mkdir -p logs
@@ -236,7 +236,7 @@ case $stage in
              && [ $SECONDS -lt $((deadline - 200)) ]; do sleep 5; done
        timeout $((deadline - SECONDS > 310 ? 300 : deadline - SECONDS - 10)) python3 benchmarks/bench_regenerate.py \
          --target "results/$second_name/target" --conversations "$shard" \
-         ${REGEN_ARGS:---count 96 --batch 48 --max-new 128 --temperature 0.8 --samples 2} \
+         ${REGEN_ARGS:---count 128 --batch 128 --max-new 256 --temperature 0.8 --compiled} \
          > logs/bench-regenerate.txt 2>&1) &
       regen=$!
     fi

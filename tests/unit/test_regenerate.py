@@ -109,6 +109,43 @@ def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_pat
     assert regenerate.sample_id("x#2", 3) == "x#2#s3"  # a data.weights copy's samples keep both marks
 
 
+def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_engine):
+    """The compiled engine's batches (static caches, every batch padded to batch_size rows) reply what the eager
+    engine replies: here without compiling, greedy and sampled, three histories in batches of two (the second
+    padded)."""
+    histories = [chat["messages"][:1] for chat in CHATS]
+    for temperature in (0.0, 1.0):
+        hf_engine.settings = settings(temperature=temperature)
+        eager = hf_engine.reply(histories, [1, 2, 3])
+        hf_engine.static = True
+        try:
+            static = hf_engine.reply(histories, [1, 2, 3])
+        finally:
+            hf_engine.static = False
+        assert [reply.text for reply in static] == [reply.text for reply in eager]
+        assert all(reply.tokens > 0 for reply in static)
+    assert list(hf_engine.caches) == [512]  # the smallest static size holds these histories and 10 new tokens
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_replies_what_the_eager_engine_replies(target_dir, hf_engine):
+    """regenerate.compile on a CPU (auto compiles on CUDA only): transformers' generate takes the static caches and
+    runs its decode step through torch.compile; two calls with other histories reuse the one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    compiled = regenerate.HFEngine(target_dir, settings(compile=True, max_new_tokens=6), log=LOG)
+    hf_engine.settings = settings(max_new_tokens=6)
+    histories = [chat["messages"][:1] for chat in CHATS]
+    before = counters["stats"]["unique_graphs"]
+    first = compiled.reply(histories[:2], [0, 0])
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert compiled.compiled and graphs >= 1  # compiled, not fallen back to eager
+    assert [r.text for r in first] == [r.text for r in hf_engine.reply(histories[:2], [0, 0])]
+    assert [r.text for r in compiled.reply(histories[1:], [0, 0])] == \
+        [r.text for r in hf_engine.reply(histories[1:], [0, 0])]
+    assert counters["stats"]["unique_graphs"] - before == graphs  # other histories, the same graph
+
+
 def test_row_seeded_sampling_draws_from_the_tempered_distribution_and_each_row_from_its_own_seed():
     """The sampler's draws: frequencies over 20,000 seeded rows match softmax(logits / T) (a chi-square test at
     p = 1e-4: a sampler off by a few percent on any token fails it), top-p never draws outside its nucleus, a row

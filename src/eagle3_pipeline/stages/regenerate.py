@@ -247,7 +247,6 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
 
     identity = read_identity(target_dir)["content_hash"]
     tokenizer = load_tokenizer(target_dir, settings.trust_remote_code)
-
     bound = character_bound(tokenizer, settings.max_context_tokens)
 
     def count_tokens(history: list[dict[str, str]]) -> int:
@@ -257,9 +256,10 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     if settings.engine == "hf":
-        engine: Engine = HFEngine(target_dir, settings, settings.trust_remote_code)
+        engine: Engine = HFEngine(target_dir, settings, settings.trust_remote_code, log)
         pool_size = settings.batch_size * 4
-        log.info("engine: HF generate on %s, batch %d", engine.device, settings.batch_size)
+        log.info("engine: HF generate on %s, batch %d, %s", engine.device, settings.batch_size,
+                 "compiled over static caches" if engine.compiled else "eager")
     else:
         engine = OpenAIEngine(settings, log)
         pool_size = settings.concurrency * 4

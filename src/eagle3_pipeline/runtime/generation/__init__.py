@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 from eagle3_pipeline.settings import setting
 
-
 # how the HF engine turns a row's seed into its draws (hf.RowSeededSampling); a sampled run's journal records it
 HF_SAMPLER = "inverse-cdf"
 
@@ -27,6 +26,7 @@ class Settings:
     thinking: bool | None
     max_context_tokens: int
     batch_size: int
+    compile: str | bool  # hf: static caches and a compiled decode step (auto: on CUDA)
     seed: int
     device: str
     dtype: str

@@ -20,15 +20,23 @@ from eagle3_pipeline.tokenization import render
 
 
 class HFEngine:
-    """Batched `generate` on the target directory; histories sorted by length so padding stays small."""
+    """Batched `generate` on the target directory; histories sorted by length so padding stays small.
 
-    def __init__(self, target_dir: Path, settings: Settings, trust_remote_code: bool = False):
+    Compiled (`compile`; auto = on CUDA), a batch decodes over a static KV cache of the next power-of-two size
+    that holds its longest history and reply, and `generate` runs its decode step through torch.compile (on a GPU
+    in CUDA graphs: a 135M target's eager step is ~600 kernel launches whatever the batch). Every batch is padded
+    to `batch_size` rows (copies of its last history, dropped after), so each cache size compiles once. Where
+    compiling fails the engine logs why and generates eagerly from then on."""
+
+    def __init__(self, target_dir: Path, settings: Settings, trust_remote_code: bool = False, log: Any = None):
+        import inspect
+
         import torch
 
         from eagle3_pipeline.runtime.target.devices import pick_device
         from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
 
-        self.torch = torch
+        self.torch, self.log = torch, log
         device = pick_device(settings.device)
         dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
         self.settings, self.device = settings, device
@@ -40,6 +48,18 @@ class HFEngine:
         configured = self.model.generation_config.eos_token_id
         configured = configured if isinstance(configured, list) else [configured]
         self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id, *configured] if i is not None})
+        self.compiled = settings.compile is True or (settings.compile == "auto" and device.startswith("cuda"))
+        self.static = self.compiled  # static caches without compiling: what a CPU test checks of the padding
+        if self.compiled:
+            from transformers.generation import CompileConfig
+
+            config = CompileConfig()
+            config._compile_all_devices = True  # compile=true on a CPU too (transformers compiles on GPUs only)
+            self.model.generation_config.compile_config = config
+        # transformers renamed `past_key_values` to `cache` (5.2x)
+        parameters = inspect.signature(self.model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.caches: dict[int, Any] = {}  # static caches by size
 
     def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
         prompts = [render(self.tokenizer, history, True, **self.settings.template_kwargs()) for history in histories]
@@ -53,23 +73,51 @@ class HFEngine:
         return results
 
     def _generate(self, prompts: list[str], seeds: list[int]) -> list[Reply]:
-        torch, settings = self.torch, self.settings
+        count = len(prompts)
+        if self.static:  # a full batch: one compiled shape per cache size
+            padding = self.settings.batch_size - count
+            prompts, seeds = prompts + prompts[-1:] * padding, seeds + seeds[-1:] * padding
         encoded = self.tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(self.device)
+        try:
+            output = self._decode(encoded, seeds)
+        except Exception as exc:
+            if not self.compiled:
+                raise
+            if self.log is not None:
+                self.log.warning("compiled generate failed (%s: %s); generating eagerly from now on",
+                                 type(exc).__name__, str(exc)[:300])
+            self.compiled = self.static = False
+            return self._generate(prompts[:count], seeds[:count])
+        new_tokens = output[:count, encoded["input_ids"].shape[1]:].tolist()
+        return [self._reply(tokens) for tokens in new_tokens]
+
+    def _decode(self, encoded: Any, seeds: list[int]) -> Any:
+        """Greedy `generate` (sampling is the processor's), over a static cache where the engine keeps them."""
+        from eagle3_pipeline.runtime.kv_cache import static_size
+
+        torch, settings = self.torch, self.settings
         sampling = [RowSeededSampling(seeds, settings.temperature, settings.top_p, self.device)] \
             if settings.temperature > 0 else []
-        with torch.inference_mode():  # greedy either way: sampling is the Gumbel noise the processor adds
-            output = self.model.generate(
-                **encoded, max_new_tokens=settings.max_new_tokens, do_sample=False, temperature=None, top_p=None,
-                top_k=None, logits_processor=sampling, pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.stop_ids)
-        new_tokens = output[:, encoded["input_ids"].shape[1]:].tolist()
-        replies = []
-        for tokens in new_tokens:
-            stop_at = next((i for i, token in enumerate(tokens) if token in self.stop_ids), None)
-            kept = tokens if stop_at is None else tokens[:stop_at]
-            text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
-            replies.append(Reply(text, finished=stop_at is not None, tokens=len(kept)))
-        return replies
+        cache = {}
+        with torch.inference_mode():  # (a static cache's tensors are inference tensors: reset them in it too)
+            if self.static:
+                size = static_size(encoded["input_ids"].shape[1] + settings.max_new_tokens)
+                if size not in self.caches:
+                    from transformers import StaticCache
+
+                    self.caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
+                self.caches[size].reset()
+                cache = {self.cache_argument: self.caches[size]}
+            return self.model.generate(
+                **encoded, **cache, max_new_tokens=settings.max_new_tokens, do_sample=False, temperature=None,
+                top_p=None, top_k=None, logits_processor=sampling, pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.stop_ids, disable_compile=not self.compiled)
+
+    def _reply(self, tokens: list[int]) -> Reply:
+        stop_at = next((i for i, token in enumerate(tokens) if token in self.stop_ids), None)
+        kept = tokens if stop_at is None else tokens[:stop_at]
+        text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
+        return Reply(text, finished=stop_at is not None, tokens=len(kept))
 
 
 class RowSeededSampling:
