@@ -41,6 +41,8 @@
 #             the same with --combo-kernels, bench_topk.py, bench_decode.py --trees (host then device loop,
 #             $TREE_ARGS; LOOPS=device: the device loop alone), then the device loop again with --combo-kernels; each a job in a process session of its own, so the same command in the next
 #             call waits on the one still running (outputs under $OUT as <job>.txt)
+# Every stage: compile caches in /tmp/e3-inductor, back in $OUT as compile-cache-part-* where they fit (8 files,
+# 64 MiB); COMPILE_CACHE=<folder of those parts, carried> unpacks them before the first compile of a fresh machine.
 # The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
 # appended to every --configfile list.
@@ -48,6 +50,15 @@
 set -uo pipefail
 stage=$1 out=$2
 export PYTHONPATH=/opt/e3/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# inductor's and Triton's caches in one folder, so that a session's compiled kernels can come back and be carried
+# into the next one ($COMPILE_CACHE: a folder with an earlier call's compile-cache-part-*): a fresh GPU otherwise
+# compiles every step again (5 of the timing pass's 6 minutes)
+export TORCHINDUCTOR_CACHE_DIR=/tmp/e3-inductor TRITON_CACHE_DIR=/tmp/e3-inductor/triton
+if [ -n "${COMPILE_CACHE:-}" ] && [ ! -d /tmp/e3-inductor ] && ls "$COMPILE_CACHE"/compile-cache-part-* >/dev/null 2>&1
+then
+  mkdir -p /tmp/e3-inductor && cat "$COMPILE_CACHE"/compile-cache-part-* | tar xzf - -C /tmp/e3-inductor \
+    && echo "compile cache: $(du -sh /tmp/e3-inductor | cut -f1) unpacked from $COMPILE_CACHE"
+fi
 limit=${LIMIT:-500}  # leave the call ~100 s for stopping, reports and the archive
 deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
@@ -182,6 +193,24 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
     files+=(regenerated-sample.jsonl)
   tar czf "$out/$stage-bundle.tar.gz" logs "${files[@]}" /tmp/ddp/*.txt /tmp/ddp/*/train.log 2>/dev/null
   keep_drafter
+  keep_compile_cache
+}
+
+keep_compile_cache() {  # the compile caches back in 15 MiB parts, where they fit what $OUT still takes (8 files,
+  # 64 MiB); carried into the next session's calls as $COMPILE_CACHE
+  [ -d /tmp/e3-inductor ] || return 0
+  local archive=/tmp/e3-compile-cache.tar.gz files used parts
+  tar czf $archive -C /tmp/e3-inductor . 2>/dev/null
+  files=$(find "$out" -maxdepth 1 -type f | wc -l)
+  used=$(du -cb "$out"/* 2>/dev/null | tail -1 | cut -f1)
+  parts=$(( ($(stat -c %s $archive) + 15728639) / 15728640 ))
+  if [ $((files + parts)) -le 8 ] && [ $((used + $(stat -c %s $archive))) -le $((63 * 1048576)) ]; then
+    rm -f "$out"/compile-cache-part-*
+    split -b 15M -d $archive "$out/compile-cache-part-"
+    echo "compile cache: $(du -sh /tmp/e3-inductor | cut -f1), $parts part(s) of $(du -h $archive | cut -f1) in \$OUT"
+  else
+    echo "compile cache: $(du -sh /tmp/e3-inductor | cut -f1) ($(du -h $archive | cut -f1) packed) does not fit \$OUT"
+  fi
 }
 
 keep_drafter() {  # single: the trained drafter's weights back in parts of 15 MiB ($OUT takes files up to 16 MiB), so a
@@ -315,6 +344,7 @@ case $stage in
     job combo timeout 700 "${decode[@]}" --loops device --combo-kernels ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} \
       || exit 0
     quiet "$out/combo.txt" | grep -v "^timing pass" | tail -12
+    keep_compile_cache
     exit 0
     ;;
   ddp)
