@@ -62,9 +62,21 @@ def job_settings(section):
 
 
 def tokenize_input(wildcards):
+    return TRAINING_CONVERSATIONS.format(shard=wildcards.shard) if config["regenerate"]["enabled"] \
+        else regenerate_input(wildcards)
+
+
+def regenerate_input(wildcards):
+    """A shard's ingested conversations; the held-out store's are the selection conversations, regenerated like the
+    training shards when regeneration is on (the estimate then scores the target's own text, as decoding does)."""
     if wildcards.shard == HELDOUT:
         return SELECTION_CONVERSATIONS
-    return TRAINING_CONVERSATIONS.format(shard=wildcards.shard)
+    return CONVERSATION_SHARD.format(shard=wildcards.shard)
+
+
+def regenerate_params(wildcards):
+    """The regenerate section as the job's params: one reply per selection conversation (samples are training data)."""
+    return job_settings("regenerate") | ({"samples": 1} if wildcards.shard == HELDOUT else {})
 
 
 def heldout_stores(wildcards):

@@ -1,14 +1,15 @@
-# Optional: the target rewrites every assistant turn (per shard, resumable). Tokenize reads the result.
+# Optional: the target rewrites every assistant turn (per shard and the selection conversations, resumable).
+# Tokenize reads the result.
 
 
 rule regenerate:
     input:
-        conversations=CONVERSATION_SHARD,
+        conversations=regenerate_input,
         target=TARGET_DIR,
     output:
         REGENERATED_SHARD,
     params:
-        regenerate=job_settings("regenerate"),
+        regenerate=regenerate_params,
         max_seq_len=config["data"]["max_seq_len"],
         trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["regenerate"]["threads"]

@@ -74,7 +74,7 @@ def test_slurm_profile_plans_gpu_jobs_for_the_8b_example(tmp_path):
     # 32 training shards and the held-out store; SGLang holds the GPUs
     assert len(extract) == 33 and all("gpu=0" in r and "disk_mb=" in r for r in extract)
     assert all("gpu=1" in r for r in job_resources(output, "parity") + job_resources(output, "evaluate"))
-    assert len(job_resources(output, "regenerate")) == 32
+    assert len(job_resources(output, "regenerate")) == 33  # the 32 training shards and the selection conversations
 
 
 @pytest.mark.workflow

@@ -141,3 +141,7 @@ def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, ta
     shard = token_shards.read(results / "tokens" / "shard-00000.zarr")
     assert shard.attrs["conversations_in"] == len(regenerated) == 8
     assert not progress.exists()
+    # the held-out store that picks the epoch is tokenized from the selection conversations, regenerated too
+    plan = run_snakemake(tmp_path, config, "results/tiny/tokens/shard-heldout.zarr", "-n").stdout
+    assert "input: results/tiny/conversations/selection.jsonl" in plan
+    assert "results/tiny/regenerated/shard-heldout.jsonl" in plan.split("rule tokenize:")[1]
