@@ -24,8 +24,8 @@ class HFEngine:
 
     Compiled (`compile`; auto = on CUDA), a batch decodes over a static KV cache of the next power-of-two size
     that holds its longest history and reply, and `generate` runs its decode step through torch.compile (on a GPU
-    in CUDA graphs: a small target's eager step is hundreds of kernel launches whatever the batch). Every batch is padded
-    to `batch_size` rows (copies of its last history, dropped after), so each cache size compiles once. Where
+    in CUDA graphs: a small target's eager step is hundreds of kernel launches whatever the batch). Every batch is
+    padded to `batch_size` rows (copies of its last history, dropped after), so each cache size compiles once. Where
     compiling fails the engine logs why and generates eagerly from then on."""
 
     def __init__(self, target_dir: Path, settings: Settings, trust_remote_code: bool = False, log: Any = None):
