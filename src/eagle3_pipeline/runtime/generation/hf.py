@@ -53,7 +53,7 @@ class HFEngine:
         if self.compiled:
             from transformers.generation import CompileConfig
 
-            config = CompileConfig()
+            config = CompileConfig(dynamic=False)  # one static graph per cache size, not dynamic shapes after a 2nd
             config._compile_all_devices = True  # compile=true on a CPU too (transformers compiles on GPUs only)
             self.model.generation_config.compile_config = config
         # transformers renamed `past_key_values` to `cache` (5.2x)
