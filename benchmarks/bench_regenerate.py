@@ -105,6 +105,11 @@ def main() -> None:
               f"({replies / max(counting.calls, 1):.2f} histories each)")
     (base, _, _), (other, _, _) = arms
     print(f"  {other} / {base} = {rates[other] / rates[base]:.2f}x (reply tokens/s)")
+    # the useful work: 2 FLOPs per weight per kept reply token (attention and padded rows left out)
+    weights = sum(parameter.numel() for parameter in engine.model.parameters())
+    for name, rate in rates.items():
+        print(f"  {name}: {2 * weights * rate / 1e12:.3f} TFLOP/s of reply tokens ({weights / 1e6:.0f} M weights; an "
+              f"H200's dense bf16 peak is ~989)")
 
 if __name__ == "__main__":
     main()
