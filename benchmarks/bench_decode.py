@@ -206,6 +206,9 @@ def main() -> None:
     parser.add_argument("--combo-kernels", action="store_true",
                         help="the drafter's fused steps with inductor's combo kernels (independent kernels side by "
                              "side, e.g. a tree step's per-layer KV moves)")
+    parser.add_argument("--stacked-cache", action="store_true",
+                        help="the target's static caches with their layers stacked into one buffer (one row move "
+                             "and one length rewind per recorded step instead of one per layer)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
@@ -235,6 +238,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     drafter = (load_served_for(target_dir, args.serving, dtype).to(device) if args.serving
                else untrained_drafter(target_dir, 16384, device, dtype))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
+    decoder.stacked_cache = args.stacked_cache
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache
     label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",

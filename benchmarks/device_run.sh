@@ -39,8 +39,9 @@
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
 #             drafter.sha256 and its serving config.json), timed without a pipeline run: the CUDA-only test modules,
 #             the same with --combo-kernels, bench_topk.py, bench_decode.py --trees (host then device loop,
-#             $TREE_ARGS; LOOPS=device: the device loop alone), then the device loop again with --combo-kernels; each a job in a process session of its own, so the same command in the next
-#             call waits on the one still running (outputs under $OUT as <job>.txt)
+#             $TREE_ARGS; LOOPS=device: the device loop alone), then the device loop again with --combo-kernels,
+#             and with --combo-kernels --stacked-cache; each a job in a process session of its own, so the same
+#             command in the next call waits on the one still running (outputs under $OUT as <job>.txt)
 # Every stage: compile caches in /tmp/e3-inductor, back in $OUT as compile-cache-part-* where they fit (8 files,
 # 64 MiB); COMPILE_CACHE=<folder of those parts, carried> unpacks them before the first compile of a fresh machine.
 # The overlays sized for these sessions live in benchmarks/configs/.
@@ -344,6 +345,10 @@ case $stage in
     job combo timeout 700 "${decode[@]}" --loops device --combo-kernels ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} \
       || exit 0
     quiet "$out/combo.txt" | grep -v "^timing pass" | tail -12
+    # the target's cache layers stacked into one buffer (one row move and one rewind per step), with combo kernels
+    job stacked timeout 700 "${decode[@]}" --loops device --combo-kernels --stacked-cache \
+      ${TREE_ARGS:---trees 5,4,8 5,8,32 6,10,64} || exit 0
+    quiet "$out/stacked.txt" | grep -v "^timing pass" | tail -12
     keep_compile_cache
     exit 0
     ;;

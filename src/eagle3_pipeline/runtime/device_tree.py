@@ -18,8 +18,8 @@ import torch
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.kv_cache import length_tensors, row_tensors
 from eagle3_pipeline.runtime.methods import TreeSetting
-from eagle3_pipeline.runtime.pipelined import lengths_of
 from eagle3_pipeline.runtime.target_attention import tree_mask
 from eagle3_pipeline.runtime.tree_graph import TreeRows, tree_steps
 
@@ -155,8 +155,7 @@ class TreeSteps:
         ids, parents, depths = (torch.cat([first, column.long()]) for first, column in
                                 zip((root.view(1), zero, zero), packed[:3], strict=True))
         self.state.set(n.view(1), ids, parents, depths, self.steps)  # nothing read back to the host
-        self.lengths = lengths_of(cache)
-        self.layers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+        self.lengths, self.layers = length_tensors(cache), row_tensors(cache)
         self.key = self.recorded.graph_key(self.proposer.cache, self.tokens, self.lengths)
 
     def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:

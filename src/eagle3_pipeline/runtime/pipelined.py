@@ -33,6 +33,7 @@ import torch
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.draft_graph import RecordedStep, Restore, chain_steps, saved
 from eagle3_pipeline.runtime.drafting import DrafterProposer
+from eagle3_pipeline.runtime.kv_cache import length_tensors
 from eagle3_pipeline.runtime.traces import PhaseClock, Trace, append_until_eos, prefill, synchronize
 
 
@@ -136,9 +137,12 @@ def check_rows(steps: DeviceSteps, cache: Any, method: str) -> None:
     """Raise where the target cache's length and the loop state's row count differ after a prompt: a recorded step
     moved rows or rewound lengths wrongly, and the timing would be of a broken decode (the timing pass's warm-up
     then times the method in the host loop)."""
-    if (rows := steps.cached_rows()) is not None and rows != (held := int(cache.get_seq_length())):
-        raise RuntimeError(f"{method}: after the device-resident loop the target cache holds {held} rows, the loop "
-                           f"state counts {rows}")
+    if (rows := steps.cached_rows()) is None:
+        return
+    held = sorted({int(length) for lengths in length_tensors(cache) for length in lengths.reshape(-1)})
+    if held != [rows]:  # every layer's length: a step that rewound some layers and not others is caught too
+        raise RuntimeError(f"{method}: after the device-resident loop the target cache holds "
+                           f"{' / '.join(map(str, held))} rows, the loop state counts {rows}")
 
 
 def finish(trace: Trace, clock: PhaseClock, drafting: bool, start: float, max_new: int) -> Trace:
@@ -205,11 +209,6 @@ class GreedySteps:
         return None  # the compiled target step counts its own rows
 
 
-def lengths_of(cache: Any) -> list[torch.Tensor]:
-    """The target cache's per-layer length tensors (static layers), which a recorded step rewinds."""
-    return [layer.cumulative_length for layer in cache.layers]
-
-
 def verified_step(logits: torch.Tensor, aux: torch.Tensor, state: torch.Tensor, lengths: list[torch.Tensor],
                   drafter: Any, cache: Any, k: int) -> tuple[torch.Tensor]:
     """After the verify of state[1:] = [x_n, d1..dk] (logits [k+1, V], aux features [k+1, 3H]) at rows
@@ -253,7 +252,7 @@ class ChainSteps:
         self.state = self.recorded.buffer((k,), lambda: torch.empty(k + 2, dtype=torch.int64, device=drafts.device))
         self.state[:2].copy_(torch.tensor([len(context) - 1, context[-1]]), non_blocking=True)
         self.state[2:].copy_(drafts)
-        self.lengths = lengths_of(cache)
+        self.lengths = length_tensors(cache)
         self.key = self.recorded.graph_key(self.proposer.cache, k, self.lengths)
 
     def verify(self, target: TargetRuntime, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
