@@ -75,8 +75,10 @@ def regenerate_input(wildcards):
 
 
 def regenerate_params(wildcards):
-    """The regenerate section as the job's params: one reply per selection conversation (samples are training data)."""
-    return job_settings("regenerate") | ({"samples": 1} if wildcards.shard == HELDOUT else {})
+    """The regenerate section as the job's params. The selection conversations get one greedy reply per turn, kept
+    whatever its repetition: the estimate's chain is then fed the target's own greedy tokens, as decoding is."""
+    selection = {"samples": 1, "temperature": 0.0, "repetition": {**config["regenerate"]["repetition"], "drop": False}}
+    return job_settings("regenerate") | (selection if wildcards.shard == HELDOUT else {})
 
 
 def heldout_stores(wildcards):

@@ -112,7 +112,7 @@ def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_pat
 def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_engine):
     """The compiled engine's batches (static caches, every batch padded to batch_size rows) reply what the eager
     engine replies: here without compiling, greedy and sampled, three histories in batches of two (the second
-    padded)."""
+    padded), then two in a batch of three (a padding row to drop) after the batch size changed."""
     histories = [chat["messages"][:1] for chat in CHATS]
     for temperature in (0.0, 1.0):
         hf_engine.settings = settings(temperature=temperature)
@@ -120,11 +120,43 @@ def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_eng
         hf_engine.static = True
         try:
             static = hf_engine.reply(histories, [1, 2, 3])
+            hf_engine.settings = settings(temperature=temperature, batch_size=3)
+            pair = hf_engine.reply(histories[:2], [1, 2])  # rows h1, h2 and a copy of h2: the copy is dropped
         finally:
             hf_engine.static = False
         assert [reply.text for reply in static] == [reply.text for reply in eager]
+        assert [reply.text for reply in pair] == [reply.text for reply in eager[:2]] and eager[0].text != eager[1].text
         assert all(reply.tokens > 0 for reply in static)
-    assert list(hf_engine.caches) == [512]  # the smallest static size holds these histories and 10 new tokens
+    # the smallest static size held these histories and 10 new tokens, for each batch; generate filled them
+    assert sorted(hf_engine.caches) == [(2, 512), (3, 512)]
+    assert all(int(cache.get_seq_length()) > 10 for cache in hf_engine.caches.values())
+
+
+def test_a_failed_compiled_generate_goes_on_eagerly_and_gives_back_the_static_caches(hf_engine, caplog):
+    """A compiled engine whose generate raises (a compiler error, memory) logs why, drops its static caches and
+    replies eagerly - what the eager engine replies - from then on."""
+    histories = [chat["messages"][:1] for chat in CHATS]
+    expected = [reply.text for reply in hf_engine.reply(histories, [0, 0, 0])]
+    decode, calls = hf_engine._decode, []
+
+    def fails_when_static(encoded, seeds):
+        calls.append(hf_engine.static)
+        if hf_engine.static:
+            hf_engine.caches[(0, 0)] = "a static cache"
+            raise RuntimeError("out of memory (simulated)")
+        return decode(encoded, seeds)
+
+    hf_engine._decode, hf_engine.compiled, hf_engine.static = fails_when_static, True, True
+    try:
+        with caplog.at_level(logging.WARNING):
+            hf_engine.log = LOG
+            replies = hf_engine.reply(histories, [0, 0, 0])
+    finally:
+        hf_engine._decode, hf_engine.log = decode, None
+    assert [reply.text for reply in replies] == expected and calls[:2] == [True, False] and not any(calls[1:])
+    assert not hf_engine.compiled and not hf_engine.static and hf_engine.caches == {}
+    assert hf_engine.model.generation_config.compile_config is None
+    assert "compiled generate failed (RuntimeError: out of memory (simulated)); generating eagerly" in caplog.text
 
 
 @pytest.mark.slow

@@ -145,3 +145,11 @@ def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, ta
     plan = run_snakemake(tmp_path, config, "results/tiny/tokens/shard-heldout.zarr", "-n").stdout
     assert "input: results/tiny/conversations/selection.jsonl" in plan
     assert "results/tiny/regenerated/shard-heldout.jsonl" in plan.split("rule tokenize:")[1]
+    config["regenerate"] |= {"samples": 2, "temperature": 1.0}  # training samples; the selection's stay one, greedy
+    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-heldout.zarr")
+    selection = conversation_shards.read(results / "conversations" / "selection.jsonl")
+    heldout = conversation_shards.read(results / "regenerated" / "shard-heldout.jsonl")
+    assert [c["id"] for c in heldout] == [c["id"] for c in selection]
+    assert token_shards.read(results / "tokens" / "shard-heldout.zarr").attrs["conversations_in"] == len(heldout)
+    assert f"{len(selection)} conversations x 1 samples" in (tmp_path / "logs/tiny/regenerate/shard-heldout.log"
+                                                           ).read_text()

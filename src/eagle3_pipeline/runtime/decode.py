@@ -27,6 +27,7 @@ from eagle3_pipeline.runtime.kv_cache import (
     has_sliding_layers,
     remove_last_rows,
     rewind,
+    row_tensors,
     stack_layers,
     static_size,
 )
@@ -263,9 +264,8 @@ class TargetRuntime:
                 layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, moved)], dim=-2)
             return
         slots = torch.arange(start, len(rows), device=self.device)
-        for layer in cache.layers:
-            layer.keys.index_copy_(-2, slots, layer.keys.index_select(-2, moved))
-            layer.values.index_copy_(-2, slots, layer.values.index_select(-2, moved))
+        for tensor in row_tensors(cache):  # every layer's keys and values, or a stacked cache's one buffer
+            tensor.index_copy_(-2, slots, tensor.index_select(-2, moved))
         self.crop(cache, len(rows))
 
     @torch.inference_mode()

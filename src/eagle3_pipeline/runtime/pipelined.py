@@ -139,7 +139,7 @@ def check_rows(steps: DeviceSteps, cache: Any, method: str) -> None:
     then times the method in the host loop)."""
     if (rows := steps.cached_rows()) is None:
         return
-    held = sorted({int(length) for lengths in length_tensors(cache) for length in lengths.reshape(-1)})
+    held = sorted(set(torch.cat([lengths.reshape(-1) for lengths in length_tensors(cache)]).tolist()))  # one read
     if held != [rows]:  # every layer's length: a step that rewound some layers and not others is caught too
         raise RuntimeError(f"{method}: after the device-resident loop the target cache holds "
                            f"{' / '.join(map(str, held))} rows, the loop state counts {rows}")

@@ -59,7 +59,7 @@ class HFEngine:
         # transformers renamed `past_key_values` to `cache` (5.2x)
         parameters = inspect.signature(self.model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.caches: dict[int, Any] = {}  # static caches by size
+        self.caches: dict[tuple[int, int], Any] = {}  # static caches by (rows, slots)
 
     def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
         prompts = [render(self.tokenizer, history, True, **self.settings.template_kwargs()) for history in histories]
@@ -86,10 +86,19 @@ class HFEngine:
             if self.log is not None:
                 self.log.warning("compiled generate failed (%s: %s); generating eagerly from now on",
                                  type(exc).__name__, str(exc)[:300])
-            self.compiled = self.static = False
+            self._go_eager()
             return self._generate(prompts[:count], seeds[:count])
         new_tokens = output[:count, encoded["input_ids"].shape[1]:].tolist()
         return [self._reply(tokens) for tokens in new_tokens]
+
+    def _go_eager(self) -> None:
+        """Eager `generate` with dynamic caches from now on; the static caches' memory goes back (a failure may have
+        been running out of it)."""
+        self.compiled = self.static = False
+        self.caches.clear()
+        self.model.generation_config.compile_config = None
+        if self.device.startswith("cuda"):
+            self.torch.cuda.empty_cache()
 
     def _decode(self, encoded: Any, seeds: list[int]) -> Any:
         """Greedy `generate` (sampling is the processor's), over a static cache where the engine keeps them."""
@@ -100,14 +109,15 @@ class HFEngine:
             if settings.temperature > 0 else []
         cache = {}
         with torch.inference_mode():  # (a static cache's tensors are inference tensors: reset them in it too)
-            if self.static:
-                size = static_size(encoded["input_ids"].shape[1] + settings.max_new_tokens)
-                if size not in self.caches:
+            if self.static:  # a cache's batch is its first use's: kept by (rows, slots)
+                shape = (encoded["input_ids"].shape[0],
+                         static_size(encoded["input_ids"].shape[1] + settings.max_new_tokens))
+                if shape not in self.caches:
                     from transformers import StaticCache
 
-                    self.caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
-                self.caches[size].reset()
-                cache = {self.cache_argument: self.caches[size]}
+                    self.caches[shape] = StaticCache(config=self.model.config, max_cache_len=shape[1])
+                self.caches[shape].reset()
+                cache = {self.cache_argument: self.caches[shape]}
             return self.model.generate(
                 **encoded, **cache, max_new_tokens=settings.max_new_tokens, do_sample=False, temperature=None,
                 top_p=None, top_k=None, logits_processor=sampling, pad_token_id=self.tokenizer.pad_token_id,
