@@ -190,7 +190,7 @@ def test_row_seeded_sampling_draws_from_the_tempered_distribution_and_each_row_f
     expected = torch.softmax(logits / temperature, -1) * rows
 
     def draws(seeds, top_p=1.0, steps=1):
-        sampler = RowSeededSampling(seeds, temperature, top_p, "cpu")
+        sampler = RowSeededSampling(seeds, temperature, top_p)
         scores = logits.repeat(len(seeds), 1)
         for _ in range(steps):
             allowed = sampler(None, scores)

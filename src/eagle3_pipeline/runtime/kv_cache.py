@@ -40,12 +40,9 @@ def remove_last_rows(cache: Any, count: int) -> None:
     """Forget the last `count` rows of a KV cache (the next update overwrites them). Static layers keep their
     lengths in tensors: one multi-tensor kernel rewinds them all (one subtraction when stacked), where a crop per
     layer launches a kernel per layer (30 for SmolLM2) after every verify step, while the GPU waits for them."""
-    if (stack := stacked(cache)) is not None:
-        stack.lengths.sub_(count)
-        return
     layers = getattr(cache, "layers", [])
     if layers and all(is_static_layer(layer) for layer in layers):
-        torch._foreach_sub_([layer.cumulative_length for layer in layers], count)
+        torch._foreach_sub_(length_tensors(cache), count)
         return
     if all(hasattr(layer, "crop") for layer in layers):
         cache.crop(-count)

@@ -105,7 +105,7 @@ class HFEngine:
         from eagle3_pipeline.runtime.kv_cache import static_size
 
         torch, settings = self.torch, self.settings
-        sampling = [RowSeededSampling(seeds, settings.temperature, settings.top_p, self.device)] \
+        sampling = [RowSeededSampling(seeds, settings.temperature, settings.top_p)] \
             if settings.temperature > 0 else []
         cache = {}
         with torch.inference_mode():  # (a static cache's tensors are inference tensors: reset them in it too)
@@ -135,12 +135,12 @@ class RowSeededSampling:
     inverse-CDF sampling with a uniform draw from the row's own generator, returned as logits that allow only the
     drawn token (0 there, -inf elsewhere)."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str):
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
         import random
 
         from transformers import TopPLogitsWarper
 
-        self.temperature, self.device = temperature, device
+        self.temperature = temperature
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
         self.generators = [random.Random(seed) for seed in seeds]
 
