@@ -1,11 +1,13 @@
 """Regeneration throughput, rolling pool vs fixed chunks, in one run (HF engine; CPU or GPU); with
 --temperature T, greedy vs sampled replies (T, --samples N per conversation) instead, both in rolling pools;
 with --compiled, the eager engine (dynamic cache) vs the compiled one (static caches, padded batches, the decode
-step through torch.compile: regenerate.compile), both in rolling pools at --temperature (default greedy).
+step through torch.compile: regenerate.compile), both in rolling pools at --temperature (default greedy); with
+--vllm, the HF engine (compiled with --compiled, else eager) vs vLLM's offline engine (regenerate.engine: vllm; a
+CUDA GPU and the vllm package), --batch sequences at once, each engine's start and warm-up excluded.
 
     python benchmarks/bench_regenerate.py --target results/<run>/target \\
         --conversations results/<run>/conversations/shard-00000.jsonl [--count 32 --batch 4 --max-new 24]
-        [--temperature 0.8 --samples 2] [--compiled]
+        [--temperature 0.8 --samples 2] [--compiled] [--vllm]
 
 Both schedules regenerate the same conversations with the same settings. "chunks" refills its pool of
 conversations only when all have finished (a chunk waits for its longest conversation); "rolling" refills
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.formats import conversation_shards
+from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 from eagle3_pipeline.workflow_config import schema_defaults
@@ -32,7 +35,7 @@ from eagle3_pipeline.workflow_config import schema_defaults
 class CountingEngine:
     """The HF engine, counting rounds and histories (what a schedule buys is fuller rounds)."""
 
-    def __init__(self, engine: regenerate.HFEngine):
+    def __init__(self, engine):
         self.engine, self.rounds, self.histories, self.calls = engine, 0, 0, 0
 
     def reply(self, histories, seeds):
@@ -54,6 +57,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="replies per conversation when sampling")
     parser.add_argument("--compiled", action="store_true",
                         help="compare the eager engine with the compiled one (its compile time excluded)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="compare the HF engine (compiled with --compiled) with vLLM's offline engine")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
@@ -62,7 +67,7 @@ def main() -> None:
     settings = dataclasses.replace(regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=2048),
                                    max_new_tokens=args.max_new, batch_size=args.batch, device=args.device,
                                    compile=False)
-    engine = regenerate.HFEngine(args.target, settings)
+    engine = HFEngine(args.target, settings)
     tokenizer = engine.tokenizer
 
     def count_tokens(history):
@@ -73,10 +78,16 @@ def main() -> None:
     if args.temperature is not None:
         sampled = dataclasses.replace(settings, temperature=args.temperature, samples=args.samples)
         arms = [("greedy", settings, True), (f"T={args.temperature} x{args.samples}", sampled, True)]
+    arm = dataclasses.replace(settings, temperature=args.temperature or 0.0, samples=args.samples)
     if args.compiled:
-        arm = dataclasses.replace(settings, temperature=args.temperature or 0.0, samples=args.samples)
-        engines["compiled"] = regenerate.HFEngine(args.target, dataclasses.replace(arm, compile=True))
+        engines["compiled"] = HFEngine(args.target, dataclasses.replace(arm, compile=True))
         arms = [("eager", arm, True), ("compiled", arm, True)]
+    if args.vllm:
+        from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
+
+        hf = "compiled" if args.compiled else "eager"
+        engines["vllm"] = VLLMEngine(args.target, dataclasses.replace(arm, engine="vllm", device="auto"), log)
+        arms = [(hf, arm, True), ("vllm", dataclasses.replace(arm, engine="vllm"), True)]
     for name, warm in engines.items():  # warm-up: a history per static cache size (each compiles once)
         start = time.perf_counter()
         for size in (512, 1024, 2048):
@@ -89,7 +100,8 @@ def main() -> None:
     for name, arm, rolling in arms:
         engine = engines.get(name, engines["eager"])
         counting = CountingEngine(engine)
-        engine.settings = dataclasses.replace(arm, compile=engine.compiled)
+        if name != "vllm":
+            engine.settings = dataclasses.replace(arm, compile=engine.compiled)
         with tempfile.TemporaryDirectory() as scratch:
             start = time.perf_counter()
             kept, counts = regenerate.regenerate_conversations(chats, counting, arm, count_tokens,
@@ -106,7 +118,7 @@ def main() -> None:
     (base, _, _), (other, _, _) = arms
     print(f"  {other} / {base} = {rates[other] / rates[base]:.2f}x (reply tokens/s)")
     # the useful work: 2 FLOPs per weight per kept reply token (attention and padded rows left out)
-    weights = sum(parameter.numel() for parameter in engine.model.parameters())
+    weights = sum(parameter.numel() for parameter in engines["eager"].model.parameters())
     for name, rate in rates.items():
         print(f"  {name}: {2 * weights * rate / 1e12:.3f} TFLOP/s of reply tokens ({weights / 1e6:.0f} M weights; an "
               f"H200's dense bf16 peak is ~989)")

@@ -22,7 +22,8 @@
 #             VLLM_SMOKE=1: vLLM (benchmarks/device-stage-vllm.sh, /opt/e3/vllm on PYTHONPATH) on the run's target
 #             beside the data stage (benchmarks/vllm_smoke.py), its output in logs/vllm-smoke.txt.
 #             BENCH_REGEN=1: bench_regenerate.py, eager vs compiled engine, sampled ($REGEN_ARGS) beside the data stage,
-#             into logs/bench-regenerate.txt.
+#             into logs/bench-regenerate.txt (REGEN_ARGS="... --compiled --vllm": the compiled HF engine vs vLLM's,
+#             with vLLM staged and /opt/e3/vllm on PYTHONPATH).
 #             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
 #             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed). Checked on
 #             the H200: a setsid process ran on across two calls 6 s apart.
@@ -248,7 +249,8 @@ case $stage in
   single)
     if [ "${GPU_TESTS:-0}" = 1 ] && [ ! -e logs/gpu-tests ]; then
       mkdir -p logs/gpu-tests
-      (for module in test_pipelined test_tree_graph; do
+      # test_regenerate_vllm skips itself unless vLLM is staged (benchmarks/device-stage-vllm.sh)
+      (for module in test_pipelined test_tree_graph test_regenerate_vllm; do
          # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
         # -rfE --tb=short: each failure's reason in the log
         python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \

@@ -14,10 +14,10 @@ rule regenerate:
         trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["regenerate"]["threads"]
     resources:
-        gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] == "hf" else 0,
+        gpu=config["regenerate"]["gpus"] if config["regenerate"]["engine"] != "openai" else 0,
         mem_mb=8000,
     conda:
-        "../envs/pipeline.yaml"
+        "../envs/vllm.yaml" if config["regenerate"]["engine"] == "vllm" else "../envs/pipeline.yaml"
     log:
         f"{LOGS}/regenerate/shard-{{shard}}.log",
     script:

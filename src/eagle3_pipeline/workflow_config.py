@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from eagle3_pipeline import assets
+from eagle3_pipeline.runtime import methods
 
 # PyYAML follows YAML 1.1: an exponent without a dot ("3e-4") is a string, not a number.
 _YAML_EXPONENT = re.compile(r"^[+-]?\d+[eE][+-]?\d+$")
@@ -139,17 +140,11 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     if data.get("train_conversations") is not None and data["train_conversations"] < data["num_shards"]:
         raise ConfigError(f"config key data.train_conversations: {data['train_conversations']} is fewer "
                           f"than data.num_shards ({data['num_shards']})")
-    regenerate = config.get("regenerate") or {}
-    server_url = (regenerate.get("server") or {}).get("url")
-    if regenerate.get("enabled") and regenerate.get("engine") == "openai" and not server_url:
-        raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
-    if regenerate.get("samples", 1) > 1 and regenerate.get("temperature", 0.0) == 0:
-        raise ConfigError(f"config key regenerate.samples: {regenerate['samples']} samples need "
-                          "regenerate.temperature > 0 (greedy samples would be identical)")
+    check_regenerate(config.get("regenerate") or {}, warnings)
     link_max_seq_len(config)
     link_selection_conversations(config["data"])
     for i, tree in enumerate((config.get("evaluate") or {}).get("tree") or []):
-        if problem := tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):
+        if problem := methods.tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):
             raise ConfigError(f"config key evaluate.tree[{i}]: {problem}")
     extract = config.get("extract") or {}
     if extract.get("backend") == "sglang":
@@ -159,6 +154,21 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     check_engine_check(config, warnings)
     return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
+
+
+def check_regenerate(regenerate: dict[str, Any], warnings: list[str]) -> None:
+    """The engine's needs (a server's URL; vLLM: CUDA, said now if missing, not at the first job) and samples."""
+    engine, device = regenerate.get("engine"), regenerate.get("device", "auto")
+    if regenerate.get("enabled") and engine == "openai" and not (regenerate.get("server") or {}).get("url"):
+        raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    if regenerate.get("enabled") and engine == "vllm" and device != "auto" and not device.startswith("cuda"):
+        raise ConfigError(f"config key regenerate.device: {device!r}, but engine 'vllm' runs on CUDA GPUs")
+    if regenerate.get("enabled") and engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        warnings.append("regenerate.engine 'vllm': the vllm package is not installed in this environment; the "
+                        "regenerate jobs need it (envs/vllm.yaml under --software-deployment-method conda)")
+    if regenerate.get("samples", 1) > 1 and regenerate.get("temperature", 0.0) == 0:
+        raise ConfigError(f"config key regenerate.samples: {regenerate['samples']} samples need "
+                          "regenerate.temperature > 0 (greedy samples would be identical)")
 
 
 def check_engine_check(config: dict[str, Any], warnings: list[str]) -> None:
@@ -181,20 +191,6 @@ def chosen_sets(config: dict[str, Any], key: str, evaluated: list[str]) -> list[
     if wanted is not None and (unknown := [name for name in wanted if name not in evaluated]):
         raise ConfigError(f"config key {key}: {unknown} are not prompt sets of evaluate.prompts (there: {evaluated})")
     return list(evaluated if wanted is None else wanted)
-
-
-def tree_setting_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
-    """Why SGLang would not serve this draft-tree setting as given (None: it would); runtime/tree.py's settings
-    check the same rule."""
-    candidates = topk + (num_steps - 1) * topk ** 2
-    if min(num_steps, topk) < 1 or num_draft_tokens < 2:
-        return "needs num_steps >= 1, topk >= 1 and num_draft_tokens >= 2"
-    if num_draft_tokens - 1 > candidates:
-        return (f"keeps num_draft_tokens - 1 = {num_draft_tokens - 1} nodes but drafts only {candidates} "
-                "(topk + (num_steps - 1) * topk^2)")
-    if topk == 1 and num_draft_tokens != num_steps + 1:
-        return "with topk 1 is a chain: SGLang sets num_draft_tokens to num_steps + 1"
-    return None
 
 
 def link_max_seq_len(config: dict[str, Any]) -> None:

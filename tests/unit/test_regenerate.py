@@ -18,6 +18,8 @@ import pytest
 from eagle3_pipeline import assets
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.formats.target_dir import read_identity
+from eagle3_pipeline.runtime.generation.hf import HFEngine
+from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
 from eagle3_pipeline.workflow_config import schema_defaults
@@ -50,12 +52,12 @@ def word_count(history):
 
 
 @pytest.fixture(scope="module")
-def loaded_engine(target_dir) -> regenerate.HFEngine:
-    return regenerate.HFEngine(target_dir, settings())
+def loaded_engine(target_dir) -> HFEngine:
+    return HFEngine(target_dir, settings())
 
 
 @pytest.fixture
-def hf_engine(loaded_engine) -> regenerate.HFEngine:
+def hf_engine(loaded_engine) -> HFEngine:
     """The HF engine on SmolLM2, loaded once for the module; a test may set the settings it generates with (they
     are reset to `settings()` before each)."""
     loaded_engine.settings = settings()
@@ -165,7 +167,7 @@ def test_the_compiled_engine_replies_what_the_eager_engine_replies(target_dir, h
     runs its decode step through torch.compile; two calls with other histories reuse the one compiled graph."""
     from torch._dynamo.utils import counters
 
-    compiled = regenerate.HFEngine(target_dir, settings(compile=True, max_new_tokens=6), log=LOG)
+    compiled = HFEngine(target_dir, settings(compile=True, max_new_tokens=6), log=LOG)
     hf_engine.settings = settings(max_new_tokens=6)
     histories = [chat["messages"][:1] for chat in CHATS]
     before = counters["stats"]["unique_graphs"]
@@ -296,7 +298,7 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
                                                 {"role": "assistant", "content": "x"}]}]
     try:
         chosen = settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
-        engine = regenerate.OpenAIEngine(chosen, LOG)
+        engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
             chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     finally:
@@ -317,7 +319,7 @@ def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_p
     server = FlakyChatServer(failures=1000)
     try:
         chosen = settings(engine="openai", url=server.url + "/v1", max_retries=2, backoff_s=0.01)
-        engine = regenerate.OpenAIEngine(chosen, LOG)
+        engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="still failing after 3 attempts.*HTTP 503"):
             regenerate.regenerate_conversations(CHATS, engine, chosen, word_count, tmp_path / "p.jsonl", "fp",
                                                 LOG, pool_size=8)
@@ -330,7 +332,7 @@ def test_server_engine_times_out(tmp_path):
     server = FlakyChatServer(silent=True)
     try:
         chosen = settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
-        engine = regenerate.OpenAIEngine(chosen, LOG)
+        engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="TimeoutError|timed out"):
             engine.reply([CHATS[1]["messages"][:2]], [0])
     finally:
@@ -356,7 +358,7 @@ def test_looping_replies_are_counted_and_optionally_cut(tmp_path, caplog, drop):
     server = FlakyChatServer()
     try:
         chosen = settings(engine="openai", url=server.url, backoff_s=0.01, drop_repetitive=drop)
-        engine = regenerate.OpenAIEngine(chosen, LOG)
+        engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
             LOOPING, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     finally:

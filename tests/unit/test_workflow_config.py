@@ -3,6 +3,7 @@ schema cannot express (files, counts, required URLs, a template that must parse)
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -121,6 +122,8 @@ def test_local_files_pass_and_come_back_resolved(tmp_path):
      "config key data.train_conversations: 3 is fewer than data.num_shards (4)"),
     ({"regenerate": {"enabled": True, "engine": "openai"}},
      "config key regenerate.server.url: required when regenerate.engine is 'openai'"),
+    ({"regenerate": {"enabled": True, "engine": "vllm", "device": "cpu"}},
+     "config key regenerate.device: 'cpu', but engine 'vllm' runs on CUDA GPUs"),
     ({"regenerate": {"samples": 2, "temperature": 0.0}},
      "config key regenerate.samples: 2 samples need regenerate.temperature > 0 (greedy samples would be identical)"),
     ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},
@@ -133,6 +136,12 @@ def test_what_the_schema_cannot_say_is_named_by_key(tmp_path, change, expected):
                   for key, value in values.items()}
         config[section] = {**config[section], **values}
     assert check_error(config).startswith(expected.format(tmp=tmp_path))
+
+
+def test_the_vllm_engine_is_checked_for_before_any_job_runs(tmp_path):
+    config = checked_config(tmp_path, regenerate={"enabled": True, "engine": "vllm"})
+    warned = [w for w in check(config).warnings if w.startswith("regenerate.engine 'vllm'")]
+    assert len(warned) == (importlib.util.find_spec("vllm") is None)
 
 
 def test_the_selection_set_is_as_large_as_the_evaluation_set_unless_set(tmp_path):

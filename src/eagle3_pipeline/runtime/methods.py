@@ -11,12 +11,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_pipeline.logs import ClearError
-from eagle3_pipeline.workflow_config import tree_setting_problem
 
 TREE_NAME = re.compile(r"^(?P<drafter>[\w-]+)-tree\(steps=(?P<steps>\d+),topk=(?P<topk>\d+),tokens=(?P<tokens>\d+)\)$")
 CHAIN_NAME = re.compile(r"^(?P<proposer>[\w-]+)@k=(?P<k>\d+)$")
 TARGET = "target"
 PROMPT_LOOKUP = "prompt-lookup"
+
+
+def tree_setting_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
+    """Why SGLang would not serve this draft-tree setting as given (None: it would); the config check and
+    `TreeSetting` both ask."""
+    candidates = topk + (num_steps - 1) * topk ** 2
+    if min(num_steps, topk) < 1 or num_draft_tokens < 2:
+        return "needs num_steps >= 1, topk >= 1 and num_draft_tokens >= 2"
+    if num_draft_tokens - 1 > candidates:
+        return (f"keeps num_draft_tokens - 1 = {num_draft_tokens - 1} nodes but drafts only {candidates} "
+                "(topk + (num_steps - 1) * topk^2)")
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        return "with topk 1 is a chain: SGLang sets num_draft_tokens to num_steps + 1"
+    return None
 
 
 @dataclass(frozen=True)

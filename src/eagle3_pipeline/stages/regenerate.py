@@ -40,9 +40,8 @@ from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' er
     RequestRejected,
     ServerUnavailable,
     Settings,
+    open_engine,
 )
-from eagle3_pipeline.runtime.generation.hf import HFEngine
-from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.tokenization import TemplateError, character_bound, render
 
@@ -255,16 +254,7 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
         text = render(tokenizer, history, True, **settings.template_kwargs())
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    if settings.engine == "hf":
-        engine: Engine = HFEngine(target_dir, settings, settings.trust_remote_code, log)
-        pool_size = settings.batch_size * 4
-        log.info("engine: HF generate on %s, batch %d, %s", engine.device, settings.batch_size,
-                 "compiled over static caches" if engine.compiled else "eager")
-    else:
-        engine = OpenAIEngine(settings, log)
-        pool_size = settings.concurrency * 4
-        log.info("engine: OpenAI-compatible server %s, model %s, concurrency %d", engine.endpoint,
-                 settings.model or "default", settings.concurrency)
+    engine, pool_size = open_engine(target_dir, settings, log)
     source = conversation_shards.read(conversation_file)
     progress_path = output.with_name(output.name + ".progress.jsonl")
     kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,

@@ -1,7 +1,8 @@
 """Generation with the target for data regeneration: the engines' settings and what they return. The engines:
-`hf.HFEngine` (HF `generate`, batched, left padded; CPU or GPU) and `server.OpenAIEngine` (any OpenAI-compatible
-server: SGLang, vLLM, llama.cpp; bounded concurrency, retries with backoff and timeouts). The settings are the
-`regenerate` rule's (stages/regenerate.py drives the engines)."""
+`hf.HFEngine` (HF `generate`, batched, left padded; CPU or GPU), `vllm_local.VLLMEngine` (vLLM's offline engine in
+the job's own process: continuous batching and prefix caching on a GPU, no server to run) and
+`server.OpenAIEngine` (any OpenAI-compatible server: SGLang, vLLM, llama.cpp; bounded concurrency, retries with
+backoff and timeouts). The settings are the `regenerate` rule's (stages/regenerate.py drives the engines)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Settings:
     thinking: bool | None
     max_context_tokens: int
     batch_size: int
-    compile: str | bool  # hf: static caches and a compiled decode step (auto: on CUDA)
+    compile: str | bool  # hf: static caches and a compiled decode step (auto: on CUDA); vllm: false = eager
+    gpu_memory_utilization: float  # vllm: the engine's share of the GPU's memory
     seed: int
     device: str
     dtype: str
@@ -75,3 +77,41 @@ class ServerUnavailable(RuntimeError):
 class Engine(Protocol):
     def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
         ...
+
+
+def stop_token_ids(tokenizer: Any, configured: int | list[int] | None) -> list[int]:
+    """The tokens that end a reply: the tokenizer's end of sequence and the generation config's (a chat model's end
+    of turn is often only there)."""
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
+def decode_reply(tokenizer: Any, tokens: list[int], stop_ids: list[int]) -> Reply:
+    """A reply from its generated tokens: up to the first stop token (finished) or all of them (cut)."""
+    stop_at = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    kept = tokens if stop_at is None else tokens[:stop_at]
+    text = tokenizer.decode(kept, skip_special_tokens=True).strip()
+    return Reply(text, finished=stop_at is not None, tokens=len(kept))
+
+
+def open_engine(target_dir: Any, settings: Settings, log: Any) -> tuple[Engine, int]:
+    """The configured engine and how many conversations to keep in progress for it (each round asks it for the next
+    reply of each: enough for full batches while some conversations finish)."""
+    if settings.engine == "hf":
+        from eagle3_pipeline.runtime.generation.hf import HFEngine
+
+        engine: Any = HFEngine(target_dir, settings, settings.trust_remote_code, log)
+        log.info("engine: HF generate on %s, batch %d, %s", engine.device, settings.batch_size,
+                 "compiled over static caches" if engine.compiled else "eager")
+        return engine, settings.batch_size * 4
+    if settings.engine == "vllm":
+        from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
+
+        engine = VLLMEngine(target_dir, settings, log)
+        return engine, settings.batch_size * 4
+    from eagle3_pipeline.runtime.generation.server import OpenAIEngine
+
+    engine = OpenAIEngine(settings, log)
+    log.info("engine: OpenAI-compatible server %s, model %s, concurrency %d", engine.endpoint,
+             settings.model or "default", settings.concurrency)
+    return engine, settings.concurrency * 4

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings
+from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings, decode_reply, stop_token_ids
 from eagle3_pipeline.tokenization import render
 
 
@@ -45,9 +45,7 @@ class HFEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = load_model(target_dir, device, dtype, trust_remote_code)
-        configured = self.model.generation_config.eos_token_id
-        configured = configured if isinstance(configured, list) else [configured]
-        self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id, *configured] if i is not None})
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         self.compiled = settings.compile is True or (settings.compile == "auto" and device.startswith("cuda"))
         self.static = self.compiled  # static caches without compiling: what a CPU test checks of the padding
         if self.compiled:
@@ -89,7 +87,7 @@ class HFEngine:
             self._go_eager()
             return self._generate(prompts[:count], seeds[:count])
         new_tokens = output[:count, encoded["input_ids"].shape[1]:].tolist()
-        return [self._reply(tokens) for tokens in new_tokens]
+        return [decode_reply(self.tokenizer, tokens, self.stop_ids) for tokens in new_tokens]
 
     def _go_eager(self) -> None:
         """Eager `generate` with dynamic caches from now on; the static caches' memory goes back (a failure may have
@@ -122,12 +120,6 @@ class HFEngine:
                 **encoded, **cache, max_new_tokens=settings.max_new_tokens, do_sample=False, temperature=None,
                 top_p=None, top_k=None, logits_processor=sampling, pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.stop_ids, disable_compile=not self.compiled)
-
-    def _reply(self, tokens: list[int]) -> Reply:
-        stop_at = next((i for i, token in enumerate(tokens) if token in self.stop_ids), None)
-        kept = tokens if stop_at is None else tokens[:stop_at]
-        text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
-        return Reply(text, finished=stop_at is not None, tokens=len(kept))
 
 
 class RowSeededSampling:

@@ -1,0 +1,110 @@
+"""The vLLM engine: vLLM's offline `LLM` in the regenerate job's own process, on the target directory.
+
+Every round's histories go to one `generate` call: vLLM batches them continuously (up to `batch_size` at once,
+a finished reply's slot refilled at once, where HF `generate` waits for its batch's longest reply) and its prefix
+cache keeps the shared start of a conversation's turns. Prompts are rendered and tokenized here, with the chat
+template the training data is tokenized with, and replies decoded as the HF engine decodes them.
+
+Sampling: each reply carries its own seed (vLLM draws a request with a seed from a generator of its own), so a
+reply does not depend on its batch mates' draws. What reproduces: the same seed and history with the same vLLM
+release, GPU and dtype; the logits can differ in their last bits with what else is batched, which at a boundary
+of the distribution changes a token (as in greedy decoding).
+
+GPU memory: vLLM takes `gpu_memory_utilization` of the GPU's memory when it starts and checks that much is free,
+so jobs sharing a GPU (`regenerate.gpus` below the slots each GPU has) need their shares to fit beside each other
+and beside whatever else runs there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings, decode_reply, stop_token_ids
+from eagle3_pipeline.tokenization import render
+
+MISSING_VLLM = ("regenerate.engine 'vllm' needs the vllm package, which this environment lacks: install vllm (its "
+                "torch pin must match the environment's torch; envs/vllm.yaml) or use regenerate.engine 'hf'")
+
+
+def engine_arguments(target_dir: Path, settings: Settings) -> dict[str, Any]:
+    """vLLM's LLM(...) arguments for regeneration: the target directory, the context cap, `batch_size` sequences
+    decoding at once, prefix caching, CUDA graphs unless `compile` is false."""
+    return {
+        "model": str(target_dir), "tokenizer": str(target_dir), "dtype": settings.dtype, "seed": settings.seed,
+        "enforce_eager": settings.compile is False, "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "max_model_len": settings.max_context_tokens, "max_num_seqs": settings.batch_size,
+        "enable_prefix_caching": True,  # a turn's history starts with the previous turn's
+        "generation_config": "vllm",  # the sampling settings are ours, not the checkpoint's defaults
+        "trust_remote_code": settings.trust_remote_code,
+    }
+
+
+def configured_stop_ids(target_dir: Path) -> int | list[int] | None:
+    """The end-of-sequence ids of the target's generation config (None without one)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        return None
+
+
+class VLLMEngine:
+    """vLLM's offline engine on the target directory; one `generate` call per round of histories."""
+
+    def __init__(self, target_dir: Path, settings: Settings, log: logging.Logger | None = None):
+        if settings.device != "auto" and not settings.device.startswith("cuda"):
+            raise ValueError(f"regenerate.device {settings.device!r}: the vllm engine runs on CUDA GPUs; use "
+                             "regenerate.engine 'hf' on a CPU")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is optional: torch's sampler
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+        except ImportError as exc:
+            raise RuntimeError(f"{MISSING_VLLM} ({exc})") from None
+        from eagle3_pipeline.runtime.target.loading import load_tokenizer
+
+        self.settings, self.log = settings, log or logging.getLogger(__name__)
+        self.sampling_params, self.tokens_prompt = SamplingParams, TokensPrompt
+        self.tokenizer = load_tokenizer(target_dir, settings.trust_remote_code)
+        self.stop_ids = stop_token_ids(self.tokenizer, configured_stop_ids(target_dir))
+        started = time.perf_counter()
+        self.llm = LLM(**engine_arguments(target_dir, settings))
+        self.log.info("engine: vLLM on %s, up to %d sequences at once, %s, %.0f %% of the GPU's memory; started in "
+                      "%.1f s", target_dir, settings.batch_size, "eager" if settings.compile is False else
+                      "CUDA graphs", 100 * settings.gpu_memory_utilization, time.perf_counter() - started)
+
+    def request(self, seed: int) -> Any:
+        """One reply's sampling: greedy at temperature 0, else temperature and top-p drawn from its own seed."""
+        settings = self.settings
+        sampled = settings.temperature > 0
+        return self.sampling_params(
+            temperature=settings.temperature, top_p=settings.top_p if sampled else 1.0,
+            seed=seed if sampled else None, max_tokens=settings.max_new_tokens, stop_token_ids=self.stop_ids,
+            detokenize=False)
+
+    def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
+        results: list[Reply | RequestRejected] = []
+        prompts, params, asked = [], [], []
+        for history, seed in zip(histories, seeds, strict=True):
+            text = render(self.tokenizer, history, True, **self.settings.template_kwargs())
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) + self.settings.max_new_tokens > self.settings.max_context_tokens:
+                results.append(RequestRejected(f"{len(ids)} prompt tokens + {self.settings.max_new_tokens} new "
+                                               f"exceed max_model_len {self.settings.max_context_tokens}"))
+                continue
+            asked.append(len(results))
+            results.append(RequestRejected("not generated"))
+            prompts.append(self.tokens_prompt(prompt_token_ids=ids))
+            params.append(self.request(seed))
+        if prompts:
+            for index, output in zip(asked, self.llm.generate(prompts, params, use_tqdm=False), strict=True):
+                completion = output.outputs[0]
+                reply = decode_reply(self.tokenizer, list(completion.token_ids), self.stop_ids)
+                reply.finished = reply.finished or completion.finish_reason == "stop"
+                results[index] = reply
+        return results

@@ -1,0 +1,92 @@
+"""Regeneration through vLLM's offline engine (regenerate.engine: vllm) on SmolLM2: CUDA and the vllm package only
+(benchmarks/device_run.sh runs this module on the device, with vLLM staged by benchmarks/device-stage-vllm.sh)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from eagle3_pipeline.runtime.generation import RequestRejected, decode_reply
+from eagle3_pipeline.stages import regenerate
+from eagle3_pipeline.tokenization import render
+from tests.unit.test_regenerate import CHATS, settings, word_count
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                reason="needs a CUDA GPU and the vllm package")
+LOG = logging.getLogger("test")
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(target_dir):
+    from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
+
+    # eager: no compile or graph capture at the start; a small share of the GPU beside the other CUDA tests
+    chosen = settings(engine="vllm", device="auto", dtype="bfloat16", max_new_tokens=24, batch_size=8,
+                      compile=False, gpu_memory_utilization=0.15)
+    return VLLMEngine(target_dir, chosen, LOG)
+
+
+@pytest.fixture(scope="module")
+def scorer(target_dir):
+    """The target in HF transformers, fp32 on the GPU: what vLLM's greedy tokens are checked against."""
+    from eagle3_pipeline.runtime.target.loading import load_model
+
+    return load_model(target_dir, "cuda", torch.float32, False)
+
+
+def test_greedy_replies_are_the_targets_own_choices(vllm_engine, scorer):
+    """Every token vLLM picks greedily (bf16) for a rendered history is the fp32 target's top token, or within bf16's
+    rounding of it; the engine's replies are those tokens up to the end of turn, decoded without special tokens."""
+    engine = vllm_engine
+    engine.settings = dataclasses.replace(engine.settings, temperature=0.0)
+    histories = [chat["messages"][:1] for chat in CHATS] + [CHATS[1]["messages"][:2]]
+    prompts = [engine.tokenizer(render(engine.tokenizer, history, True), add_special_tokens=False)["input_ids"]
+               for history in histories]
+    raw = engine.llm.generate([engine.tokens_prompt(prompt_token_ids=ids) for ids in prompts],
+                              [engine.request(0)] * len(prompts), use_tqdm=False)
+    replies = engine.reply(histories, [0] * len(histories))
+    exact = total = same_text = 0
+    for prompt, output, reply in zip(prompts, raw, replies, strict=True):
+        assert not isinstance(reply, RequestRejected) and reply.text and "<|" not in reply.text
+        expected = decode_reply(engine.tokenizer, list(output.outputs[0].token_ids), engine.stop_ids)
+        same_text += expected.text == reply.text  # (a near tie may break the other way with the prefix cached)
+        generated = list(output.outputs[0].token_ids)[:expected.tokens]
+        with torch.inference_mode():
+            logits = scorer(torch.tensor([prompt + generated], device="cuda")).logits[0, len(prompt) - 1:-1]
+        picked = torch.tensor(generated, device="cuda")
+        chosen = logits.gather(-1, picked[:, None])[:, 0]
+        assert torch.all(chosen >= logits.max(-1).values - 0.5), (prompt, generated)
+        exact, total = exact + int((logits.argmax(-1) == picked).sum()), total + len(generated)
+    assert exact >= 0.9 * total and same_text >= len(histories) - 1
+    assert any(reply.finished for reply in replies)  # "Name a colour." in one word ends well before 24 tokens
+
+
+def test_samples_draw_from_their_own_seeds_and_reproduce(tmp_path, vllm_engine):
+    engine = vllm_engine
+
+    def sampled(**changes):
+        engine.settings = dataclasses.replace(settings(engine="vllm", max_new_tokens=16, temperature=1.0, samples=2,
+                                                       batch_size=8, gpu_memory_utilization=0.15), **changes)
+        progress = tmp_path / f"progress-{len(list(tmp_path.iterdir()))}.jsonl"
+        return regenerate.regenerate_conversations(CHATS, engine, engine.settings, word_count, progress, "fp", LOG,
+                                                   pool_size=8)[0]
+
+    kept = sampled()
+    assert [c["id"] for c in kept] == ["a", "a#s2", "b", "b#s2", "c", "c#s2"]
+    first_replies = [next(m["content"] for m in c["messages"] if m["role"] == "assistant") for c in kept]
+    assert sum(first_replies[i] != first_replies[i + 1] for i in (0, 2, 4)) >= 2  # two draws per history
+    assert sampled() == kept  # the same seeds: the same replies
+    assert sampled(seed=1) != kept
+
+
+def test_a_history_too_long_for_the_engine_is_rejected_alone(vllm_engine):
+    engine = vllm_engine
+    engine.settings = dataclasses.replace(engine.settings, temperature=0.0)
+    too_long = [{"role": "user", "content": "word " * engine.settings.max_context_tokens}]
+    replies = engine.reply([too_long, CHATS[0]["messages"][:1]], [0, 0])
+    assert isinstance(replies[0], RequestRejected) and "exceed max_model_len" in str(replies[0])
+    assert not isinstance(replies[1], RequestRejected) and replies[1].text
