@@ -3,7 +3,8 @@
 with --compiled, the eager engine (dynamic cache) vs the compiled one (static caches, padded batches, the decode
 step through torch.compile: regenerate.compile), both in rolling pools at --temperature (default greedy); with
 --vllm, the HF engine (compiled with --compiled, else eager) vs vLLM's offline engine (regenerate.engine: vllm; a
-CUDA GPU and the vllm package), --batch sequences at once, each engine's start and warm-up excluded.
+CUDA GPU and the vllm package; CUDA graphs with --compiled, else eager) with --batch sequences at once and the
+stage's pool for it (16 x batch), each engine's start and warm-up excluded.
 
     python benchmarks/bench_regenerate.py --target results/<run>/target \\
         --conversations results/<run>/conversations/shard-00000.jsonl [--count 32 --batch 4 --max-new 24]
@@ -33,15 +34,17 @@ from eagle3_pipeline.workflow_config import schema_defaults
 
 
 class CountingEngine:
-    """The HF engine, counting rounds and histories (what a schedule buys is fuller rounds)."""
+    """An engine, counting rounds, histories and generate calls (what a schedule buys is fuller rounds)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, calls_per_round=None):
         self.engine, self.rounds, self.histories, self.calls = engine, 0, 0, 0
+        # HF: a generate call per batch_size histories; vLLM: one per round
+        self.calls_per_round = calls_per_round or (lambda n: -(-n // engine.settings.batch_size))
 
     def reply(self, histories, seeds):
         self.rounds += 1
         self.histories += len(histories)
-        self.calls += -(-len(histories) // self.engine.settings.batch_size)  # generate calls this round
+        self.calls += self.calls_per_round(len(histories))
         return self.engine.reply(histories, seeds)
 
 
@@ -86,27 +89,30 @@ def main() -> None:
         from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
 
         hf = "compiled" if args.compiled else "eager"
-        engines["vllm"] = VLLMEngine(args.target, dataclasses.replace(arm, engine="vllm", device="auto"), log)
-        arms = [(hf, arm, True), ("vllm", dataclasses.replace(arm, engine="vllm"), True)]
+        served = dataclasses.replace(arm, engine="vllm", device="auto", compile=args.compiled)
+        engines["vllm"] = VLLMEngine(args.target, served, log)
+        arms = [(hf, arm, True), ("vllm", served, True)]
     for name, warm in engines.items():  # warm-up: a history per static cache size (each compiles once)
         start = time.perf_counter()
         for size in (512, 1024, 2048):
             words = size - args.max_new - 40  # ~a token a word: a history that needs this size
             warm.reply([[{"role": "user", "content": "word " * words}]], [0])
         print(f"  warm-up {name}: {time.perf_counter() - start:.1f} s")
-    print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch}, "
+    print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch} (vLLM's "
+          f"{16 * args.batch}), "
           f"up to {args.max_new} new tokens, {engine.device}")
     rates = {}
     for name, arm, rolling in arms:
         engine = engines.get(name, engines["eager"])
-        counting = CountingEngine(engine)
+        counting = CountingEngine(engine, (lambda n: 1) if name == "vllm" else None)
         if name != "vllm":
             engine.settings = dataclasses.replace(arm, compile=engine.compiled)
         with tempfile.TemporaryDirectory() as scratch:
             start = time.perf_counter()
             kept, counts = regenerate.regenerate_conversations(chats, counting, arm, count_tokens,
                                                                Path(scratch) / "progress.jsonl", name, log,
-                                                               pool_size=4 * args.batch, rolling=rolling)
+                                                               pool_size=(16 if name == "vllm" else 4) * args.batch,
+                                                               rolling=rolling)
             elapsed = time.perf_counter() - start
         replies = counts["replies"]
         tokens = sum(count_tokens([m]) for c in kept for m in c["messages"] if m["role"] == "assistant")

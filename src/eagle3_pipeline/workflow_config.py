@@ -163,6 +163,8 @@ def check_regenerate(regenerate: dict[str, Any], warnings: list[str]) -> None:
         raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
     if regenerate.get("enabled") and engine == "vllm" and device != "auto" and not device.startswith("cuda"):
         raise ConfigError(f"config key regenerate.device: {device!r}, but engine 'vllm' runs on CUDA GPUs")
+    if regenerate.get("enabled") and engine == "vllm" and regenerate.get("temperature", 0.0) > 2:
+        raise ConfigError(f"config key regenerate.temperature: {regenerate['temperature']}; vLLM samples up to 2")
     if regenerate.get("enabled") and engine == "vllm" and importlib.util.find_spec("vllm") is None:
         warnings.append("regenerate.engine 'vllm': the vllm package is not installed in this environment; the "
                         "regenerate jobs need it (envs/vllm.yaml under --software-deployment-method conda)")

@@ -1,12 +1,17 @@
 """Helpers of the unit tests: tiny random-weight Llama targets built in memory (for hook/parity and model tests),
 a real target directory with a token shard, its hidden-state store and a draft vocab, and one drafter trained on it
-that the decoding tests share (`trained_tiny`)."""
+that the decoding tests share (`trained_tiny`), and the regeneration tests' conversations and settings."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_pipeline.stages import regenerate
+from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def tiny_llama(layers: int = 6, hidden: int = 64, vocab: int = 256, seed: int = 0) -> LlamaForCausalLM:
@@ -111,3 +116,30 @@ def smollm2_serving_dir(target_dir, out, draft_vocab_size: int = 2048, seed: int
     drafter.t2d[:draft_vocab_size] = True  # the draft vocab: the first ids (d2t stays 0)
     export.export(drafter, out, dtype="float32")
     return out
+
+
+# ------------------------------------------------------------------ regeneration
+CHATS = [
+    {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"},
+                             {"role": "assistant", "content": "Paris."},
+                             {"role": "user", "content": "And of Italy?"},
+                             {"role": "assistant", "content": "Rome."}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Answer in one word."},
+                             {"role": "user", "content": "Name a colour."},
+                             {"role": "assistant", "content": "Blue."}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Say hello."},
+                             {"role": "assistant", "content": "Hello!"},
+                             {"role": "user", "content": "Now count to three."}]},  # trailing user turn
+]
+
+
+def regeneration_settings(**overrides) -> regenerate.Settings:
+    """The regenerate section's defaults, sized for tests on a CPU (10 new tokens, batches of 2, fp32)."""
+    defaults = regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=512)
+    return dataclasses.replace(defaults, **{"max_new_tokens": 10, "batch_size": 2, "device": "cpu",
+                                            "dtype": "float32", **overrides})
+
+
+def word_count(history):
+    """A stand-in for a tokenizer's count: words plus a template's few tokens per message."""
+    return sum(len(message["content"].split()) + 4 for message in history)

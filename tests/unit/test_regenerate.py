@@ -22,45 +22,21 @@ from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
-from eagle3_pipeline.workflow_config import schema_defaults
 from tests.conftest import SAFETY_TIMEOUT_S, send_json, wait_for_event
+from tests.unit.conftest import CHATS, regeneration_settings, word_count
 
 LOG = logging.getLogger("test")
 
-CHATS = [
-    {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"},
-                             {"role": "assistant", "content": "Paris."},
-                             {"role": "user", "content": "And of Italy?"},
-                             {"role": "assistant", "content": "Rome."}]},
-    {"id": "b", "messages": [{"role": "system", "content": "Answer in one word."},
-                             {"role": "user", "content": "Name a colour."},
-                             {"role": "assistant", "content": "Blue."}]},
-    {"id": "c", "messages": [{"role": "user", "content": "Say hello."},
-                             {"role": "assistant", "content": "Hello!"},
-                             {"role": "user", "content": "Now count to three."}]},  # trailing user turn
-]
-
-
-def settings(**overrides) -> regenerate.Settings:
-    defaults = regenerate.regenerate_settings(schema_defaults("regenerate"), max_seq_len=512)
-    return dataclasses.replace(defaults, **{"max_new_tokens": 10, "batch_size": 2, "device": "cpu",
-                                            "dtype": "float32", **overrides})
-
-
-def word_count(history):
-    return sum(len(message["content"].split()) + 4 for message in history)
-
-
 @pytest.fixture(scope="module")
 def loaded_engine(target_dir) -> HFEngine:
-    return HFEngine(target_dir, settings())
+    return HFEngine(target_dir, regeneration_settings())
 
 
 @pytest.fixture
 def hf_engine(loaded_engine) -> HFEngine:
     """The HF engine on SmolLM2, loaded once for the module; a test may set the settings it generates with (they
-    are reset to `settings()` before each)."""
-    loaded_engine.settings = settings()
+    are reset to `regeneration_settings()` before each)."""
+    loaded_engine.settings = regeneration_settings()
     return loaded_engine
 
 
@@ -93,7 +69,7 @@ def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, hf_engine):
 
 def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_path, hf_engine):
     engine = hf_engine
-    engine.settings = settings(temperature=1.0, samples=2, max_new_tokens=8)
+    engine.settings = regeneration_settings(temperature=1.0, samples=2, max_new_tokens=8)
 
     def sampled(**changes):
         engine.settings = dataclasses.replace(engine.settings, **changes)
@@ -117,12 +93,12 @@ def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_eng
     padded), then two in a batch of three (a padding row to drop) after the batch size changed."""
     histories = [chat["messages"][:1] for chat in CHATS]
     for temperature in (0.0, 1.0):
-        hf_engine.settings = settings(temperature=temperature)
+        hf_engine.settings = regeneration_settings(temperature=temperature)
         eager = hf_engine.reply(histories, [1, 2, 3])
         hf_engine.static = True
         try:
             static = hf_engine.reply(histories, [1, 2, 3])
-            hf_engine.settings = settings(temperature=temperature, batch_size=3)
+            hf_engine.settings = regeneration_settings(temperature=temperature, batch_size=3)
             pair = hf_engine.reply(histories[:2], [1, 2])  # rows h1, h2 and a copy of h2: the copy is dropped
         finally:
             hf_engine.static = False
@@ -167,8 +143,8 @@ def test_the_compiled_engine_replies_what_the_eager_engine_replies(target_dir, h
     runs its decode step through torch.compile; two calls with other histories reuse the one compiled graph."""
     from torch._dynamo.utils import counters
 
-    compiled = HFEngine(target_dir, settings(compile=True, max_new_tokens=6), log=LOG)
-    hf_engine.settings = settings(max_new_tokens=6)
+    compiled = HFEngine(target_dir, regeneration_settings(compile=True, max_new_tokens=6), log=LOG)
+    hf_engine.settings = regeneration_settings(max_new_tokens=6)
     histories = [chat["messages"][:1] for chat in CHATS]
     before = counters["stats"]["unique_graphs"]
     first = compiled.reply(histories[:2], [0, 0])
@@ -213,7 +189,7 @@ def test_row_seeded_sampling_draws_from_the_tempered_distribution_and_each_row_f
 
 def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, hf_engine):
     engine = hf_engine
-    engine.settings = settings(max_context_tokens=30)
+    engine.settings = regeneration_settings(max_context_tokens=30)
     kept, counts = regenerate.regenerate_conversations(
         CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert counts["cut_at_context_limit"] == 1
@@ -225,7 +201,7 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
     conversation_shards.write(shard, CHATS)
     output = tmp_path / "out.jsonl"
     progress = tmp_path / "out.jsonl.progress.jsonl"
-    chosen = settings(engine="hf")
+    chosen = regeneration_settings(engine="hf")
     fingerprint = regenerate.fingerprint(shard, chosen, read_identity(target_dir)["content_hash"])
     marked = {**CHATS[1], "messages": CHATS[1]["messages"][:2] + [{"role": "assistant", "content": "RESUMED"}]}
     progress.write_text(json.dumps({"fingerprint": fingerprint}) + "\n"
@@ -240,9 +216,9 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
     # Other settings: the old progress is for other output and must not be reused.
     progress.write_text(json.dumps({"fingerprint": fingerprint}) + "\n"
                         + json.dumps({"index": 1, "conversation": marked}) + "\n")
-    summary = regenerate.run_shard(shard, output, target_dir, settings(max_new_tokens=6), LOG)
+    summary = regenerate.run_shard(shard, output, target_dir, regeneration_settings(max_new_tokens=6), LOG)
     assert summary["resumed"] == 0
-    sampling = settings(temperature=0.5)
+    sampling = regeneration_settings(temperature=0.5)
     assert regenerate.fingerprint(shard, dataclasses.replace(sampling, samples=2), "t") != \
         regenerate.fingerprint(shard, sampling, "t")  # samples change the output: no resume across them
     assert conversation_shards.read(output)[1]["messages"][-1]["content"] != "RESUMED"
@@ -297,7 +273,7 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
     chats = CHATS + [{"id": "bad", "messages": [{"role": "user", "content": "REJECT me"},
                                                 {"role": "assistant", "content": "x"}]}]
     try:
-        chosen = settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
+        chosen = regeneration_settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
         engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
             chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
@@ -318,7 +294,7 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
 def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_path):
     server = FlakyChatServer(failures=1000)
     try:
-        chosen = settings(engine="openai", url=server.url + "/v1", max_retries=2, backoff_s=0.01)
+        chosen = regeneration_settings(engine="openai", url=server.url + "/v1", max_retries=2, backoff_s=0.01)
         engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="still failing after 3 attempts.*HTTP 503"):
             regenerate.regenerate_conversations(CHATS, engine, chosen, word_count, tmp_path / "p.jsonl", "fp",
@@ -331,7 +307,7 @@ def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_p
 def test_server_engine_times_out(tmp_path):
     server = FlakyChatServer(silent=True)
     try:
-        chosen = settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
+        chosen = regeneration_settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
         engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="TimeoutError|timed out"):
             engine.reply([CHATS[1]["messages"][:2]], [0])
@@ -357,7 +333,7 @@ LOOPING = CHATS[:2] + [{"id": "loop", "messages": [{"role": "user", "content": "
 def test_looping_replies_are_counted_and_optionally_cut(tmp_path, caplog, drop):
     server = FlakyChatServer()
     try:
-        chosen = settings(engine="openai", url=server.url, backoff_s=0.01, drop_repetitive=drop)
+        chosen = regeneration_settings(engine="openai", url=server.url, backoff_s=0.01, drop_repetitive=drop)
         engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
             LOOPING, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
@@ -406,7 +382,8 @@ def test_against_a_real_llama_cpp_server(tmp_path, target_dir):
         assert server.poll() is None, "the llama.cpp server exited before it answered"
         shard = tmp_path / "shard.jsonl"
         conversation_shards.write(shard, CHATS)
-        chosen = settings(engine="openai", url=f"http://127.0.0.1:{port}", concurrency=2, max_new_tokens=16)
+        chosen = regeneration_settings(engine="openai", url=f"http://127.0.0.1:{port}", concurrency=2,
+                                       max_new_tokens=16)
         summary = regenerate.run_shard(shard, tmp_path / "out.jsonl", target_dir, chosen, LOG)
     finally:
         server.kill()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 
@@ -13,21 +12,28 @@ import torch
 from eagle3_pipeline.runtime.generation import RequestRejected, decode_reply
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
-from tests.unit.test_regenerate import CHATS, settings, word_count
+from tests.unit.conftest import CHATS, regeneration_settings, word_count
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs a CUDA GPU and the vllm package")
 LOG = logging.getLogger("test")
 
 
+def vllm_settings(**overrides):
+    # eager: no compile or graph capture at the start; a KV cache of its own size, not profiled (other CUDA tests
+    # may hold or free memory meanwhile)
+    return regeneration_settings(**{"engine": "vllm", "device": "auto", "dtype": "bfloat16", "max_new_tokens": 24,
+                                    "batch_size": 8, "compile": False, "gpu_memory_utilization": 0.1,
+                                    "kv_cache_gb": 2.0, **overrides})
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(target_dir):
     from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
 
-    # eager: no compile or graph capture at the start; a small share of the GPU beside the other CUDA tests
-    chosen = settings(engine="vllm", device="auto", dtype="bfloat16", max_new_tokens=24, batch_size=8,
-                      compile=False, gpu_memory_utilization=0.15)
-    return VLLMEngine(target_dir, chosen, LOG)
+    engine = VLLMEngine(target_dir, vllm_settings(), LOG)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +45,16 @@ def scorer(target_dir):
 
 
 def test_greedy_replies_are_the_targets_own_choices(vllm_engine, scorer):
-    """Every token vLLM picks greedily (bf16) for a rendered history is the fp32 target's top token, or within bf16's
-    rounding of it; the engine's replies are those tokens up to the end of turn, decoded without special tokens."""
+    """The tokens vLLM picks greedily (bf16) for a rendered history are the fp32 target's top token (nine in ten at
+    least; bf16's rounding may break a near tie) and always among its top three, within a logit of the top; the
+    engine's replies are those tokens up to the end of turn, decoded without special tokens."""
     engine = vllm_engine
-    engine.settings = dataclasses.replace(engine.settings, temperature=0.0)
+    engine.settings = vllm_settings()
     histories = [chat["messages"][:1] for chat in CHATS] + [CHATS[1]["messages"][:2]]
     prompts = [engine.tokenizer(render(engine.tokenizer, history, True), add_special_tokens=False)["input_ids"]
                for history in histories]
     raw = engine.llm.generate([engine.tokens_prompt(prompt_token_ids=ids) for ids in prompts],
-                              [engine.request(0)] * len(prompts), use_tqdm=False)
+                              [engine.sampling(0)] * len(prompts), use_tqdm=False)
     replies = engine.reply(histories, [0] * len(histories))
     exact = total = same_text = 0
     for prompt, output, reply in zip(prompts, raw, replies, strict=True):
@@ -59,7 +66,8 @@ def test_greedy_replies_are_the_targets_own_choices(vllm_engine, scorer):
             logits = scorer(torch.tensor([prompt + generated], device="cuda")).logits[0, len(prompt) - 1:-1]
         picked = torch.tensor(generated, device="cuda")
         chosen = logits.gather(-1, picked[:, None])[:, 0]
-        assert torch.all(chosen >= logits.max(-1).values - 0.5), (prompt, generated)
+        assert torch.all(chosen >= logits.max(-1).values - 1.0), (prompt, generated)
+        assert torch.all((logits.topk(3, -1).indices == picked[:, None]).any(-1)), (prompt, generated)
         exact, total = exact + int((logits.argmax(-1) == picked).sum()), total + len(generated)
     assert exact >= 0.9 * total and same_text >= len(histories) - 1
     assert any(reply.finished for reply in replies)  # "Name a colour." in one word ends well before 24 tokens
@@ -69,8 +77,8 @@ def test_samples_draw_from_their_own_seeds_and_reproduce(tmp_path, vllm_engine):
     engine = vllm_engine
 
     def sampled(**changes):
-        engine.settings = dataclasses.replace(settings(engine="vllm", max_new_tokens=16, temperature=1.0, samples=2,
-                                                       batch_size=8, gpu_memory_utilization=0.15), **changes)
+        engine.settings = vllm_settings(max_new_tokens=16, temperature=1.0, samples=2, **changes)
+        engine.llm.reset_prefix_cache()  # a cached prefix is computed in other shapes: other last bits of the logits
         progress = tmp_path / f"progress-{len(list(tmp_path.iterdir()))}.jsonl"
         return regenerate.regenerate_conversations(CHATS, engine, engine.settings, word_count, progress, "fp", LOG,
                                                    pool_size=8)[0]
@@ -85,7 +93,7 @@ def test_samples_draw_from_their_own_seeds_and_reproduce(tmp_path, vllm_engine):
 
 def test_a_history_too_long_for_the_engine_is_rejected_alone(vllm_engine):
     engine = vllm_engine
-    engine.settings = dataclasses.replace(engine.settings, temperature=0.0)
+    engine.settings = vllm_settings()
     too_long = [{"role": "user", "content": "word " * engine.settings.max_context_tokens}]
     replies = engine.reply([too_long, CHATS[0]["messages"][:1]], [0, 0])
     assert isinstance(replies[0], RequestRejected) and "exceed max_model_len" in str(replies[0])

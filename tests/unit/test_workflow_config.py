@@ -124,6 +124,8 @@ def test_local_files_pass_and_come_back_resolved(tmp_path):
      "config key regenerate.server.url: required when regenerate.engine is 'openai'"),
     ({"regenerate": {"enabled": True, "engine": "vllm", "device": "cpu"}},
      "config key regenerate.device: 'cpu', but engine 'vllm' runs on CUDA GPUs"),
+    ({"regenerate": {"enabled": True, "engine": "vllm", "temperature": 2.5}},
+     "config key regenerate.temperature: 2.5; vLLM samples up to 2"),
     ({"regenerate": {"samples": 2, "temperature": 0.0}},
      "config key regenerate.samples: 2 samples need regenerate.temperature > 0 (greedy samples would be identical)"),
     ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},

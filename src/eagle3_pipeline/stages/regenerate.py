@@ -2,8 +2,9 @@
 
 A drafter learns to predict the target; replies written by other models (ShareGPT is ChatGPT's) teach it
 a distribution the target does not produce at serving time. Here every assistant turn is rewritten by the
-target, conditioned on the regenerated history; system and user turns are kept. Two engines
-(runtime/generation/) share one driver, here: HF `generate` and any OpenAI-compatible server.
+target, conditioned on the regenerated history; system and user turns are kept. Three engines
+(runtime/generation/) share one driver, here: HF `generate`, vLLM's offline engine and any OpenAI-compatible
+server.
 
 Loops: a small target decoding greedily often repeats itself until max_new_tokens (on an H200 run, 65 % of
 SmolLM2-135M's greedy replies had over 30 % repeated word 4-grams, against 2 % of ShareGPT's). Such replies

@@ -28,7 +28,8 @@ class Settings:
     max_context_tokens: int
     batch_size: int
     compile: str | bool  # hf: static caches and a compiled decode step (auto: on CUDA); vllm: false = eager
-    gpu_memory_utilization: float  # vllm: the engine's share of the GPU's memory
+    gpu_memory_utilization: float  # vllm: the share of the GPU's memory that must be free at its start
+    kv_cache_gb: float | None  # vllm: a KV cache of this size, not sized by profiling
     seed: int
     device: str
     dtype: str
@@ -53,6 +54,13 @@ class Settings:
         defining = {key: getattr(self, key) for key in keys}
         if self.engine == "hf" and self.temperature > 0:  # the same seed draws other replies under another sampler
             defining["sampler"] = HF_SAMPLER
+        if self.engine == "vllm" and self.temperature > 0:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                defining["sampler"] = f"vllm {version('vllm')}"
+            except PackageNotFoundError:  # the engine says so when it starts
+                defining["sampler"] = "vllm"
         return defining
 
     def template_kwargs(self) -> dict[str, Any]:
@@ -108,7 +116,7 @@ def open_engine(target_dir: Any, settings: Settings, log: Any) -> tuple[Engine, 
         from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
 
         engine = VLLMEngine(target_dir, settings, log)
-        return engine, settings.batch_size * 4
+        return engine, settings.batch_size * 16  # queued histories cost vLLM nothing; a round ends with its longest
     from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 
     engine = OpenAIEngine(settings, log)

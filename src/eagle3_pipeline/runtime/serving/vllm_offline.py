@@ -58,7 +58,7 @@ def engine_arguments(job: dict[str, Any]) -> dict[str, Any]:
         "enforce_eager": not job["cuda_graphs"], "gpu_memory_utilization": job["gpu_memory_utilization"],
         "max_model_len": job["max_model_len"], "max_num_seqs": 1, "enable_prefix_caching": False,
         "disable_log_stats": False,  # the spec-decode counters are stats
-        "generation_config": "vllm",  # stop at the tokenizer's end of sequence only, as the evaluator does
+        "generation_config": "vllm",  # vLLM's default sampling, not the checkpoint's (for calls without any)
         "trust_remote_code": job["trust_remote_code"],
     }
     if job["draft_length"]:
