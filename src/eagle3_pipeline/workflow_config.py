@@ -106,8 +106,7 @@ def hub_id_problem(model_id: str, revision: str | None) -> tuple[str, bool] | No
     return None
 
 
-def check_target_source(target: dict[str, Any], dry_run: bool, materialised: bool,
-                        warnings: list[str]) -> str:
+def check_target_source(target: dict[str, Any], dry_run: bool, materialised: bool, warnings: list[str]) -> str:
     source = target["source"]
     first_part = Path(source).expanduser().parts[0] if source else ""
     if assets.is_alias(source) or _looks_like_path(source) or Path(first_part).exists():
@@ -116,13 +115,12 @@ def check_target_source(target: dict[str, Any], dry_run: bool, materialised: boo
         if gguf_file and not (Path(target_source) / gguf_file).is_file():
             raise ConfigError(f"config key target.gguf_file: {gguf_file!r} not found in {target_source}")
         return target_source
-    if not materialised:  # a hub id: the target job will need it from the cache or the hub
-        problem = hub_id_problem(source, target.get("revision"))
-        if problem:
-            message = f"config key target.source: {source!r} is {problem[0]}"
-            if problem[1] or not dry_run:
-                raise ConfigError(message)
-            warnings.append(message + " (a real run stops here)")
+    # a hub id: the target job will need it from the cache or the hub
+    if not materialised and (problem := hub_id_problem(source, target.get("revision"))):
+        message = f"config key target.source: {source!r} is {problem[0]}"
+        if problem[1] or not dry_run:
+            raise ConfigError(message)
+        warnings.append(message + " (a real run stops here)")
     return source
 
 
@@ -140,37 +138,41 @@ def check(config: dict[str, Any], dry_run: bool = False, target_materialised: bo
     if data.get("train_conversations") is not None and data["train_conversations"] < data["num_shards"]:
         raise ConfigError(f"config key data.train_conversations: {data['train_conversations']} is fewer "
                           f"than data.num_shards ({data['num_shards']})")
-    check_regenerate(config.get("regenerate") or {}, warnings)
+    check_regenerate(config.get("regenerate") or {}, data["max_seq_len"], warnings)
     link_max_seq_len(config)
     link_selection_conversations(config["data"])
     for i, tree in enumerate((config.get("evaluate") or {}).get("tree") or []):
         if problem := methods.tree_setting_problem(tree["num_steps"], tree["topk"], tree["num_draft_tokens"]):
             raise ConfigError(f"config key evaluate.tree[{i}]: {problem}")
-    extract = config.get("extract") or {}
-    if extract.get("backend") == "sglang":
-        for key in ("aux_url", "final_url"):
-            if not (extract.get("sglang") or {}).get(key):
-                raise ConfigError(f"config key extract.sglang.{key}: required when extract.backend is 'sglang'")
+    extract, sglang = config.get("extract") or {}, (config.get("extract") or {}).get("sglang") or {}
+    if extract.get("backend") == "sglang" and (unset := [k for k in ("aux_url", "final_url") if not sglang.get(k)]):
+        raise ConfigError(f"config key extract.sglang.{unset[0]}: required when extract.backend is 'sglang'")
     check_engine_check(config, warnings)
     return Settings(data_inputs=inputs, target_source=target_source, warnings=warnings,
                     chat_template_file=check_chat_template(config["target"].get("chat_template")))
 
 
-def check_regenerate(regenerate: dict[str, Any], warnings: list[str]) -> None:
-    """The engine's needs (a server's URL; vLLM: CUDA, said now if missing, not at the first job) and samples."""
-    engine, device = regenerate.get("engine"), regenerate.get("device", "auto")
-    if regenerate.get("enabled") and engine == "openai" and not (regenerate.get("server") or {}).get("url"):
-        raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
-    if regenerate.get("enabled") and engine == "vllm" and device != "auto" and not device.startswith("cuda"):
-        raise ConfigError(f"config key regenerate.device: {device!r}, but engine 'vllm' runs on CUDA GPUs")
-    if regenerate.get("enabled") and engine == "vllm" and regenerate.get("temperature", 0.0) > 2:
-        raise ConfigError(f"config key regenerate.temperature: {regenerate['temperature']}; vLLM samples up to 2")
-    if regenerate.get("enabled") and engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        warnings.append("regenerate.engine 'vllm': the vllm package is not installed in this environment; the "
-                        "regenerate jobs need it (envs/vllm.yaml under --software-deployment-method conda)")
+def check_regenerate(regenerate: dict[str, Any], max_seq_len: int, warnings: list[str]) -> None:
+    """Samples; room for a history; the engine's needs (a server's URL; vLLM: CUDA, said now if missing)."""
     if regenerate.get("samples", 1) > 1 and regenerate.get("temperature", 0.0) == 0:
         raise ConfigError(f"config key regenerate.samples: {regenerate['samples']} samples need "
                           "regenerate.temperature > 0 (greedy samples would be identical)")
+    if not regenerate.get("enabled"):
+        return
+    engine, device, context = regenerate.get("engine"), regenerate.get("device", "auto"), \
+        regenerate.get("max_context_tokens") or max_seq_len
+    if regenerate.get("max_new_tokens", 0) >= context:  # every turn would be cut: nothing regenerated
+        raise ConfigError(f"config key regenerate.max_new_tokens: {regenerate['max_new_tokens']} leaves no room for a "
+                          f"history within regenerate.max_context_tokens ({context}; null = data.max_seq_len)")
+    if engine == "openai" and not (regenerate.get("server") or {}).get("url"):
+        raise ConfigError("config key regenerate.server.url: required when regenerate.engine is 'openai'")
+    if engine == "vllm" and device != "auto" and not device.startswith("cuda"):
+        raise ConfigError(f"config key regenerate.device: {device!r}, but engine 'vllm' runs on CUDA GPUs")
+    if engine == "vllm" and regenerate.get("temperature", 0.0) > 2:
+        raise ConfigError(f"config key regenerate.temperature: {regenerate['temperature']}; vLLM samples up to 2")
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        warnings.append("regenerate.engine 'vllm': the vllm package is not installed in this environment; the "
+                        "regenerate jobs need it (envs/vllm.yaml under --software-deployment-method conda)")
 
 
 def check_engine_check(config: dict[str, Any], warnings: list[str]) -> None:

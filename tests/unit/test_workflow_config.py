@@ -126,6 +126,9 @@ def test_local_files_pass_and_come_back_resolved(tmp_path):
      "config key regenerate.device: 'cpu', but engine 'vllm' runs on CUDA GPUs"),
     ({"regenerate": {"enabled": True, "engine": "vllm", "temperature": 2.5}},
      "config key regenerate.temperature: 2.5; vLLM samples up to 2"),
+    ({"regenerate": {"enabled": True, "max_new_tokens": 256}, "data": {"max_seq_len": 256}},
+     "config key regenerate.max_new_tokens: 256 leaves no room for a history within regenerate.max_context_tokens "
+     "(256; null = data.max_seq_len)"),
     ({"regenerate": {"samples": 2, "temperature": 0.0}},
      "config key regenerate.samples: 2 samples need regenerate.temperature > 0 (greedy samples would be identical)"),
     ({"extract": {"backend": "sglang", "sglang": {"aux_url": "http://127.0.0.1:1"}}},
