@@ -94,9 +94,9 @@ class VLLMEngine:
     def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
         results: list[Reply | RequestRejected] = []
         prompts, params, asked = [], [], []
-        for history, seed in zip(histories, seeds, strict=True):
-            text = render(self.tokenizer, history, True, **self.settings.template_kwargs())
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [render(self.tokenizer, history, True, **self.settings.template_kwargs()) for history in histories]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
+        for ids, seed in zip(encoded, seeds, strict=True):
             if len(ids) + self.settings.max_new_tokens > self.settings.max_context_tokens:
                 results.append(RequestRejected(f"{len(ids)} prompt tokens + {self.settings.max_new_tokens} new "
                                                f"exceed max_model_len {self.settings.max_context_tokens}"))
