@@ -18,11 +18,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PY
 configfile: str(Path(workflow.basedir) / "config" / "config.yaml")
 
 
-from eagle3_pipeline import workflow_config
+from eagle3_pipeline import config_schema, workflow_config
 
 try:  # a few lines naming the key, instead of the whole schema and config
-    workflow_config.check_schema(config, Path(workflow.basedir) / "config" / "schema.yaml")
-except workflow_config.ConfigError as exc:
+    config_schema.check_schema(config, Path(workflow.basedir) / "config" / "schema.yaml")
+except config_schema.ConfigError as exc:
     sys.exit(f"Config error: {exc}")
 validate(config, "config/schema.yaml")  # passes now; fills in the schema's defaults
 

@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
-from eagle3_pipeline.workflow_config import schema_defaults
 
 
 class CountingEngine:

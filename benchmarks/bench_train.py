@@ -29,6 +29,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.drafter import model as current_model
 from eagle3_pipeline.drafter import objective
 from eagle3_pipeline.drafter.attention import flex_ttt_attention
@@ -36,7 +37,6 @@ from eagle3_pipeline.drafter.batches import epoch_batches
 from eagle3_pipeline.drafter.model import DrafterConfig, count_flops_per_token
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.settings import TrainSettings
-from eagle3_pipeline.workflow_config import schema_defaults
 
 BASELINE_PACKAGE = "baseline_eagle3_pipeline"
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 
 from eagle3_pipeline import workflow_config
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.formats.metrics import read as read_metrics
-from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def train_once(run_dir: Path, out: Path, name: str, settings: dict, gpus: int) -> list[dict[str, float]]:

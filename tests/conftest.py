@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) -> dict:
     """`defaults` (the shipped config) with `sections` replacing its keys, one level deep. A section the shipped
     config leaves to the schema is there as an empty mapping (validation fills it), so tests can merge into it."""
-    from eagle3_pipeline.workflow_config import schema_properties
+    from eagle3_pipeline.config_schema import schema_properties
 
     config = yaml.safe_load(Path(defaults).read_text())
     config |= {name: {} for name, spec in schema_properties().items()

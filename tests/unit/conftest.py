@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.stages import regenerate
-from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def tiny_llama(layers: int = 6, hidden: int = 64, vocab: int = 256, seed: int = 0) -> LlamaForCausalLM:
@@ -65,11 +65,11 @@ def tiny_target_with_store(tmp_path, sequences: int = 24, layers: int = 6, hidde
 def build_trained_tiny(folder):
     """A drafter trained (8 epochs, 3 TTT steps) on `tiny_target_with_store`'s motif data and exported, all under
     `folder` (target/, hidden.zarr, serving/)."""
+    from eagle3_pipeline.config_schema import schema_defaults
     from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.stages import export
     from eagle3_pipeline.training.loop import train
     from eagle3_pipeline.training.settings import TrainSettings
-    from eagle3_pipeline.workflow_config import schema_defaults
 
     target_dir, store, vocab_path = tiny_target_with_store(folder)
     model = train([store], target_dir, vocab_path, folder / "state",

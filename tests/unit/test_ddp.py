@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.formats.metrics import read as read_metrics
-from eagle3_pipeline.workflow_config import schema_defaults
 from tests.conftest import SAFETY_TIMEOUT_S
 from tests.unit.conftest import tiny_target_with_store
 

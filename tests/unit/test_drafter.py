@@ -13,6 +13,7 @@ import torch
 import zarr
 from safetensors import safe_open
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.drafter.attention import TTTKV, choose_ttt_attention, explicit_ttt_attention, flex_ttt_attention
 from eagle3_pipeline.drafter.batches import epoch_batches, pack_greedy, padded_width
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
@@ -28,7 +29,6 @@ from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.resume import fingerprint_changes, run_fingerprint
 from eagle3_pipeline.training.selection import summary
 from eagle3_pipeline.training.settings import TrainSettings
-from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import tiny_target_with_store
 
 

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline import engine_comparison, workflow_config
+from eagle3_pipeline.config_schema import ConfigError, schema_defaults
 from eagle3_pipeline.formats import engine_check as engine_check_format
 from eagle3_pipeline.runtime.serving import vllm_offline
 from eagle3_pipeline.runtime.traces import Trace
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import engine_check
-from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
 
 
 def metric(name: str, value=None, values=None, engine: str = "0") -> SimpleNamespace:

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
@@ -15,7 +16,6 @@ from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, s
 from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import evaluate, evaluate_timing
-from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import smollm2_serving_dir
 
 

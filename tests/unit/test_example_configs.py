@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from eagle3_pipeline import workflow_config
+from eagle3_pipeline import config_schema
 from tests.conftest import REPO
 
 SCHEMA = REPO / "config" / "schema.yaml"
@@ -43,16 +43,16 @@ def test_the_user_examples_and_the_session_overlays_are_where_users_and_benchmar
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_each_user_example_validates(example):
-    workflow_config.check_schema(merged(example), SCHEMA)
+    config_schema.check_schema(merged(example), SCHEMA)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
 def test_each_session_overlay_validates_over_the_gpu_example(overlay):
-    workflow_config.check_schema(merged(GPU_EXAMPLE, overlay), SCHEMA)
+    config_schema.check_schema(merged(GPU_EXAMPLE, overlay), SCHEMA)
 
 
 def test_a_misspelt_key_in_an_overlay_fails_naming_it(tmp_path):
     overlay = tmp_path / "typo.yaml"
     overlay.write_text("train:\n  epoch: 4\n")
-    with pytest.raises(workflow_config.ConfigError, match="train.epoch"):
-        workflow_config.check_schema(merged(GPU_EXAMPLE, overlay), SCHEMA)
+    with pytest.raises(config_schema.ConfigError, match="train.epoch"):
+        config_schema.check_schema(merged(GPU_EXAMPLE, overlay), SCHEMA)

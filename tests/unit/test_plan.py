@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_pipeline import assets, plan, plan_fixed, target_shape
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.runtime.target.loading import load_config
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import train
 from eagle3_pipeline.training import resume
-from eagle3_pipeline.workflow_config import schema_defaults
 
 
 def test_target_copy_estimate_matches_the_materialised_gguf_target(target_dir, tmp_path):

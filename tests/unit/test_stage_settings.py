@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline import workflow_config
+from eagle3_pipeline.config_schema import ConfigError, schema_defaults
 from eagle3_pipeline.settings import from_section, setting
 from eagle3_pipeline.stages import (
     disk_report,
@@ -25,7 +26,6 @@ from eagle3_pipeline.stages import (
     train,
     vocab,
 )
-from eagle3_pipeline.workflow_config import ConfigError, schema_defaults
 from tests.conftest import base_config
 
 ROOT = Path(__file__).resolve().parents[2]

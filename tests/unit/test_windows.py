@@ -8,13 +8,13 @@ import torch
 
 from eagle3_pipeline import plan as disk_plan
 from eagle3_pipeline import plan_windows
+from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.formats import train_state
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.inputs import PassJob
 from eagle3_pipeline.training.loop import train
 from eagle3_pipeline.training.settings import TrainSettings
 from eagle3_pipeline.training.windows import Windows, train_pass
-from eagle3_pipeline.workflow_config import schema_defaults
 from tests.unit.conftest import tiny_target_with_store
 
 MB = 1_000_000

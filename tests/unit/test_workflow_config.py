@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from eagle3_pipeline import workflow_config
-from eagle3_pipeline.workflow_config import ConfigError, check, check_schema
+from eagle3_pipeline.config_schema import ConfigError, check_schema
+from eagle3_pipeline.workflow_config import check
 from tests.conftest import REPO, base_config
 
 SCHEMA = REPO / "config" / "schema.yaml"

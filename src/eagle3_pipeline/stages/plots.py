@@ -191,7 +191,7 @@ def run_directory(configs: list[Path]) -> Path:
     """results/<run> of a config (later files override earlier ones, as with snakemake --configfile)."""
     import yaml
 
-    from eagle3_pipeline.workflow_config import schema_top_level_default
+    from eagle3_pipeline.config_schema import schema_top_level_default
 
     config: dict[str, Any] = {}
     for path in configs:
