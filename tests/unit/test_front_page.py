@@ -97,7 +97,7 @@ def test_the_table_holds_the_fastest_setting_of_each_kind_and_the_verdict_names_
     settings = [row[0] for row in shown.rows if row[0].startswith("EAGLE-3")]
     assert settings == ["EAGLE-3 chain: eagle3@k=4", "EAGLE-3 tree: " + TREE_BIG]
     assert shown.paragraphs[0] == (f"mtbench-package: Serve: {TREE_BIG}, tau 2.90: 2.25x the target alone, 1.80x "
-                                   "prompt lookup (1.25x).")
+                                   "prompt lookup's speed (prompt lookup: 1.25x).")
 
 
 def test_the_commands_serve_the_pick_with_sglang_and_the_best_chain_with_vllm():
@@ -134,8 +134,9 @@ def test_the_verdict_says_when_decoding_without_a_drafter_or_prompt_lookup_is_fa
     slow = {"sets": {"mtbench-package": {name: timed(speedup) for name, speedup in (
         ("target", 1.0), ("prompt-lookup@k=4", 1.1), ("eagle3@k=4", 0.5), (TREE_BIG, 0.6))}}}
     line = headline.headlines(evaluations(), slow)[0]
-    assert headline.verdict(line) == ("Not faster here", f"{TREE_BIG}, tau 2.90: 0.60x the target alone, 0.55x "
-                                                         "prompt lookup (1.10x); decoding without a drafter is faster")
+    assert headline.verdict(line) == ("Not faster here", (
+        f"{TREE_BIG}, tau 2.90: 0.60x the target alone, 0.55x prompt lookup's speed (prompt lookup: 1.10x); "
+        "decoding without a drafter is faster"))
     assert headline.fastest(line).method == "prompt-lookup@k=4"
     copying = {"sets": {"mtbench-package": {"target": timed(1.0), "prompt-lookup@k=4": timed(1.5),
                                             "eagle3@k=4": timed(1.25)}}}

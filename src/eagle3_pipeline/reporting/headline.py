@@ -116,7 +116,7 @@ def verdict(line: Headline) -> tuple[str, str]:
     lookup = line.best["prompt lookup"]
     if lookup is None or lookup.speedup is None:
         return ("Serve" if drafter.speedup > 1 else "Not faster here"), gain
-    gain += f", {drafter.speedup / lookup.speedup:.2f}x prompt lookup ({lookup.speedup:.2f}x)"
+    gain += f", {drafter.speedup / lookup.speedup:.2f}x prompt lookup's speed (prompt lookup: {lookup.speedup:.2f}x)"
     if drafter.speedup <= 1:
         return "Not faster here", gain + "; decoding without a drafter is faster"
     if lookup.speedup > drafter.speedup:
