@@ -1,5 +1,6 @@
-"""Every shipped config validates against the schema as Snakemake would merge it: the user examples in
-config/examples/ over config/config.yaml, and the GPU-session overlays in benchmarks/configs/ over the GPU example
+"""Every shipped config validates against the schema as the workflow reads it: each user example in
+config/examples/ on its own (a --configfile run starts from the schema's defaults, not config/config.yaml), and the
+GPU-session overlays in benchmarks/configs/ over the GPU example
 (a renamed or retyped key fails here, naming the file, before anyone spends a GPU session on it)."""
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ GPU_EXAMPLE = REPO / "config" / "examples" / "gpu-smollm2.yaml"
 
 
 def merged(*paths: Path) -> dict[str, Any]:
-    """config/config.yaml with each file merged over it, mappings key by key (as --configfile does)."""
+    """The files merged in order, mappings key by key (as --configfile does)."""
     config: dict[str, Any] = {}
-    for path in (REPO / "config" / "config.yaml", *paths):
+    for path in paths:
         deep_update(config, yaml.safe_load(path.read_text()) or {})
     return config
 

@@ -50,6 +50,17 @@ def test_every_rule_runs_in_a_named_env():
             assert (smk.parent / match.group(1)).resolve().is_file(), f"rule {name}: {match.group(1)} missing"
 
 
+def test_the_slurm_profile_sizes_every_rule_that_can_take_a_gpu():
+    profiled = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())["set-resources"]
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        text = smk.read_text()
+        names = re.findall(r"^\s*rule (\w+):", text, flags=re.M)
+        blocks = re.split(r"^\s*rule \w+:", text, flags=re.M)[1:]
+        for name, block in zip(names, blocks, strict=True):
+            if re.search(r"^\s+gpu=", block, flags=re.M):  # else the profile's CPU defaults fit
+                assert name in profiled, f"{smk.name}: rule {name} takes a GPU but profiles/slurm sizes it not"
+
+
 def slurm_dry_run(tmp_path: Path, example: str) -> str:
     result = subprocess.run([SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
                              "--workflow-profile", str(REPO / "profiles" / "slurm"),
@@ -74,6 +85,8 @@ def test_slurm_profile_plans_gpu_jobs_for_the_8b_example(tmp_path):
     # 32 training shards and the held-out store; SGLang holds the GPUs
     assert len(extract) == 33 and all("gpu=0" in r and "disk_mb=" in r for r in extract)
     assert all("gpu=1" in r for r in job_resources(output, "parity") + job_resources(output, "evaluate"))
+    assert all("slurm_partition=gpu" in r for rule in ("parity", "evaluate", "evaluate_timing")
+               for r in job_resources(output, rule))
     assert len(job_resources(output, "regenerate")) == 33  # the 32 training shards and the selection conversations
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from tests.conftest import base_config, run_snakemake, send_json, snakemake_command, tiny_conversations
+from tests.conftest import REPO, base_config, run_snakemake, send_json, snakemake_command, tiny_conversations
 
 pytestmark = pytest.mark.workflow
 
@@ -37,6 +38,24 @@ def test_the_data_stage_alone_passes_the_preflight_that_refuses_the_whole_run(tm
     hidden_row = next(line for line in data_only.stderr.splitlines() if line.strip().startswith("hidden"))
     assert "not run" in hidden_row
     assert (tmp_path / "results/tiny/vocab/draft_vocab.safetensors").is_file()
+
+
+def planned_jobs(tmp_path, config: dict, *args: str) -> dict[str, int]:
+    result = run_snakemake(tmp_path, config, "-n", *args)
+    return {name: int(count) for name, count in re.findall(r"^(\w+)\s+(\d+)$", result.stdout, flags=re.M)}
+
+
+def test_a_configfile_starts_from_the_schemas_defaults_not_the_cpu_demo(tmp_path, target_dir):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in tiny_conversations(12)))
+    mine = {"run": "mine", "target": {"source": str(target_dir)},
+            "data": {"inputs": [str(chats)], "eval_conversations": 2, "max_seq_len": 128}}
+    # the schema's 4 shards, not the demo's 2 (nor its 160 conversations, 4,096-token vocabulary, ...), and the
+    # selection conversations' shard
+    assert planned_jobs(tmp_path, mine)["tokenize"] == 4 + 1
+    layered = planned_jobs(tmp_path, mine, "--configfile", str(REPO / "config" / "config.yaml"),
+                           str(tmp_path / "test_config.yaml"))  # the demo named first: mine over it
+    assert layered["tokenize"] == 2 + 1
 
 
 class FakeHubModelInfo(BaseHTTPRequestHandler):
