@@ -8,6 +8,7 @@ from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline import copying, workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 from eagle3_pipeline.layout import RunLayout
+from eagle3_pipeline.training.settings import TrainSettings
 
 
 def is_dry_run():
@@ -55,10 +56,15 @@ for warning in SETTINGS.warnings:
 DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the copying keys only when in use
 
 
+# a section's keys besides `threads` that size a job or its logs but not its output (the job reads them from the config)
+SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
+
+
 def job_settings(section):
-    """A config section as a rule's params, less its `threads` (a job's size, not its output: changing it must
-    not rerun the job, which Snakemake's params trigger would)."""
-    return {key: value for key, value in config[section].items() if key != "threads"}
+    """A config section as a rule's params, less `threads` and its SIZE_ONLY keys: changing a job's size must not
+    rerun it (hours of extraction or training), which Snakemake's params trigger would."""
+    return {key: value for key, value in config[section].items()
+            if key != "threads" and key not in SIZE_ONLY.get(section, ())}
 
 
 def tokenize_input(wildcards):

@@ -8,7 +8,7 @@ rule parity:
     output:
         PARITY_REPORT,
     params:
-        extract=config["extract"],
+        extract=job_settings("extract"),
         parity=job_settings("parity"),
         trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["parity"]["threads"]
@@ -31,7 +31,7 @@ rule extract:
     output:
         directory(HIDDEN_STORE),
     params:
-        extract=config["extract"],
+        extract=job_settings("extract"),
         trust_remote_code=config["target"]["trust_remote_code"],
     threads: config["extract"]["threads"]
     resources:

@@ -13,10 +13,11 @@ rule train:
         metrics=TRAIN_METRICS,
         config=CONFIG_SNAPSHOT,
     params:
-        settings=config["train"],
+        settings=job_settings("train"),
         state_dir=TRAIN_STATE,
-        # only what shapes the drafter: editing e.g. `evaluate` must not retrain
-        provenance={key: config[key] for key in ("target", "data", "vocab", "extract", "train")},
+        # only what shapes the drafter: editing e.g. `evaluate`, or a job's size, must not retrain
+        provenance={"target": config["target"], "data": DATA_PARAMS, "vocab": config["vocab"],
+                    "extract": job_settings("extract"), "train": job_settings("train")},
     threads: config["train"]["threads"]
     resources:
         gpu=config["train"]["gpus"],

@@ -8,7 +8,7 @@ WINDOWS_DIR = LAYOUT.windows_dir
 PASS_CHECKPOINT = LAYOUT.pass_checkpoint  # consumed by the next pass: at most two exist
 PASS_RECORD = LAYOUT.pass_record  # its stores' sizes, the bytes on disk at its start
 EXTRACT_SETTINGS = {key: value for key, value in job_settings("extract").items()
-                    if key not in ("writer_threads", "store_shard_mb", "gpus")}  # what the stores' values follow
+                    if key not in ("store_shard_mb", "gpus")}  # what the stores' values follow
 
 
 def window_plan():
@@ -101,7 +101,7 @@ if WINDOWED:
         output:
             temp(directory(WINDOW_STORE)),
         params:
-            extract=config["extract"],
+            extract=job_settings("extract"),
             trust_remote_code=config["target"]["trust_remote_code"],
         threads: config["extract"]["threads"]
         resources:
@@ -126,7 +126,7 @@ if WINDOWED:
             checkpoint=temp(PASS_CHECKPOINT),
             record=PASS_RECORD,
         params:
-            settings=config["train"],
+            settings=job_settings("train"),
             state_dir=TRAIN_STATE,
             windows=WINDOW_PLAN.as_dict(),
             window_store=lambda wildcards: WINDOW_STORE,  # a template: its wildcards are not this job's

@@ -31,10 +31,10 @@ HEADER = f"""# Configuration reference
 
 Every key the pipeline reads, generated from [`config/schema.yaml`](../../config/schema.yaml). A run's config is
 its `--configfile` files merged in order, mapping by mapping ([`config/config.yaml`](../../config/config.yaml), the
-2-core demo, when none is given); a key left out takes the default below. Unknown keys, wrong types and values outside the allowed range stop the run before any
-job starts (also in `snakemake -n`), naming the key. Write floats with a dot (`3.0e-4`): YAML reads `3e-4` as a
-string. Keys are written as paths: `train.learning_rate` is `learning_rate` under `train:`; `evaluate.tree[]`
-is one entry of the list `evaluate.tree`.
+2-core demo, when none is given); a key left out takes the default below. Unknown keys, wrong types and values
+outside the allowed range stop the run before any job starts (also in `snakemake -n`), naming the key. Write
+floats with a dot (`3.0e-4`): YAML reads `3e-4` as a string. Keys are written as paths: `train.learning_rate` is
+`learning_rate` under `train:`; `evaluate.tree[]` is one entry of the list `evaluate.tree`.
 """
 
 

@@ -6,6 +6,7 @@ its training outputs, so it starts where the training stage would: target, data 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -62,6 +63,19 @@ def test_changed_settings_retrain_and_minus_r_trains_from_step_0(prepared, finis
     log = (workdir / LOG).read_text()
     assert "it is the end of a finished run" in log
     assert same(changed, weights(workdir))  # trained again from scratch, deterministically
+
+
+def test_a_jobs_size_reruns_nothing_but_a_training_setting_retrains(finished_tiny_run, tmp_path):
+    workdir, config = copy_run(finished_tiny_run, tmp_path / "run")
+    sized = {section: {**config[section], **sizes} for section, sizes in {
+        "extract": {"threads": 1, "writer_threads": 3}, "parity": {"threads": 1},
+        "train": {"threads": 1, "num_workers": 1, "log_every": 7, "checkpoint_every": 11},
+        "evaluate": {"threads": 1}}.items()}
+    planned = set(re.findall(r"^rule (\w+):", run_snakemake(workdir, config | sized, "-n").stdout, flags=re.M))
+    assert planned <= {"plots", "all"}  # the report's page lists the whole config: seconds to redraw
+    sized["train"]["learning_rate"] = 2.0e-3
+    planned = set(re.findall(r"^rule (\w+):", run_snakemake(workdir, config | sized, "-n").stdout, flags=re.M))
+    assert "train" in planned and "extract" not in planned
 
 
 def test_a_killed_training_resumes_bit_identically(prepared, tmp_path):

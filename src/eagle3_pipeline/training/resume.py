@@ -21,7 +21,6 @@ from eagle3_pipeline.training.inputs import PassJob, TrainingData
 from eagle3_pipeline.training.settings import TrainSettings
 
 log = logging.getLogger("eagle3_pipeline.stages.train")
-NOT_FINGERPRINTED = frozenset({"log_every", "checkpoint_every", "num_workers"})  # do not change the weights
 
 
 def is_main_process() -> bool:
@@ -54,7 +53,7 @@ def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path,
     """Everything that decides the trained weights: the settings that change them, the world size, each
     hidden store's content identity, the draft vocab's and the target's content hashes."""
     fingerprint = {
-        "settings": {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED},
+        "settings": {k: v for k, v in asdict(settings).items() if k not in TrainSettings.SIZE_ONLY},
         "world_size": world_size,
         "stores": [{"name": Path(p).name, "identity": hidden_store.identity(p)} for p in store_paths],
         "draft_vocab": draft_vocab.identity(Path(vocab_path)),

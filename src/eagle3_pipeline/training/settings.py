@@ -35,3 +35,6 @@ class TrainSettings:
     # keys of the section that are not the training process's (the rule's resources and inputs use them):
     # from_section(TrainSettings, section) skips these and refuses any other key no field reads
     NOT_SETTINGS: ClassVar[frozenset[str]] = frozenset({"gpus", "threads", "heldout_estimate"})
+    # settings that size or report the run but leave the weights as they are: not in the resume fingerprint, nor in
+    # the rule's params (changing them must not retrain)
+    SIZE_ONLY: ClassVar[frozenset[str]] = frozenset({"log_every", "checkpoint_every", "num_workers"})
