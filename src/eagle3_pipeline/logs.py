@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = Fals
     )
     logging.captureWarnings(True)
     logger = logging.getLogger(name)
+    if not append and (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        logger.info("GPUs visible to this job: CUDA_VISIBLE_DEVICES=%s", visible)  # e.g. gpu_claims' choice
 
     def log_uncaught(kind, value, traceback):  # the traceback belongs in the job's log, not only on the console
         if issubclass(kind, ClearError):  # its message names the cause and the fix; a traceback adds noise
