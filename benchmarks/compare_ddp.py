@@ -49,9 +49,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    config = yaml.safe_load(Path("config/config.yaml").read_text())
-    for section, values in yaml.safe_load(args.config.read_text()).items():
-        config[section] = config.get(section, {}) | values if isinstance(values, dict) else values
+    config = yaml.safe_load(args.config.read_text())  # over the schema's defaults, as the workflow reads it
+    config["data"] = schema_defaults("data") | config.get("data", {})
     workflow_config.link_max_seq_len(config)  # train.max_seq_len: null follows data.max_seq_len
     base = schema_defaults("train") | config["train"]
     base |= {"max_steps": args.steps, "log_every": 10, "checkpoint_every": 10 ** 9, "epochs": 50}
