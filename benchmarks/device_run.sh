@@ -110,7 +110,8 @@ detached() {  # detached NAME: $cmd in a process session of its own (setsid), wh
   local name=$1 state=/tmp/e3-detached/$1
   mkdir -p "$state"
   if [ ! -e "$state/pid" ]; then
-    setsid bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "${cmd[@]}" < /dev/null &
+    # its own stdout too: an inherited pipe (device_run.sh ... | tail) would stay open until the job ends
+    setsid bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "${cmd[@]}" < /dev/null > /dev/null 2>&1 &
     echo $! > "$state/pid"
     echo "$name: started in its own session (pid $(cat "$state/pid")) at $SECONDS s"
   fi
@@ -148,7 +149,7 @@ job() {  # job NAME COMMAND...: COMMAND once in a process session of its own; re
   mkdir -p "$state"
   if [ ! -e "$state/pid" ]; then
     touch "$state/log"
-    setsid bash -c '"$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "$@" < /dev/null &
+    setsid bash -c '"$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "$@" < /dev/null > /dev/null 2>&1 &
     echo $! > "$state/pid"
   fi
   while [ ! -e "$state/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 3; done
