@@ -203,16 +203,13 @@ def main() -> None:
                         help="compiled mode: which decoding loops to time, in this order")
     parser.add_argument("--trees", nargs="*", default=[], metavar="S,K,T",
                         help="draft trees to time too: num_steps,topk,num_draft_tokens")
-    parser.add_argument("--combo-kernels", action="store_true",
-                        help="the drafter's fused steps with inductor's combo kernels (independent kernels side by "
-                             "side, e.g. a tree step's per-layer KV moves)")
-    parser.add_argument("--stacked-cache", action="store_true",
-                        help="the target's static caches with their layers stacked into one buffer (one row move "
-                             "and one length rewind per recorded step instead of one per layer)")
+    parser.add_argument("--no-combo-kernels", action="store_true",
+                        help="the drafter's fused steps without inductor's combo kernels (the default fuses "
+                             "independent kernels side by side, e.g. a tree step's per-layer KV moves)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
-    draft_graph.COMBO_KERNELS = args.combo_kernels
+    draft_graph.COMBO_KERNELS = not args.no_combo_kernels
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("bench_decode")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,7 +235,6 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     drafter = (load_served_for(target_dir, args.serving, dtype).to(device) if args.serving
                else untrained_drafter(target_dir, 16384, device, dtype))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
-    decoder.stacked_cache = args.stacked_cache
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache
     label = {"eager": "eager", "compiled": "compiled, static caches sized per sequence",

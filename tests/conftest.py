@@ -58,19 +58,6 @@ SCHEDULE_FIRST = (
 )
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--combo-kernels", action="store_true",
-                     help="record the drafter's fused steps with inductor's combo kernels (GPU runs: "
-                          "benchmarks/device_run.sh trees tests them before they become the default)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--combo-kernels"):
-        from eagle3_pipeline.runtime import draft_graph
-
-        draft_graph.COMBO_KERNELS = True
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name

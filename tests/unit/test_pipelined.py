@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from eagle3_pipeline.formats.hidden_store import HiddenStore
-from eagle3_pipeline.runtime import kv_cache
 from eagle3_pipeline.runtime.compilation import steps_without_cuda_graphs
 from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.drafting import DrafterProposer
@@ -39,49 +38,19 @@ def both_loops(runtime: TargetRuntime, drafter, ids: list[int], k: int, max_new:
     return runs[0], runs[1], methods
 
 
-@pytest.mark.parametrize(("k", "stacked"), [(1, False), (4, False), (4, True)])
-def test_the_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny, k, stacked):
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny, k):
     target, drafter, store = trained_tiny
     # the compiled runtime's static caches, uncompiled: the loops are the same on a GPU, where they are recorded
     runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
-    runtime.stacked_cache = stacked  # the layers as views of one buffer: one row move and one rewind per step
     check_loops(runtime, drafter, store, k)
-    assert all((kv_cache.stacked(cache) is not None) == stacked for cache in runtime.static_caches.values())
-
-
-@torch.inference_mode()
-def test_a_stacked_cache_keeps_its_rows_and_transformers_updates_them_through_its_views(trained_tiny):
-    """kv_cache.stack_layers: the layers' rows and lengths copied into one buffer, the next forward's rows written
-    there through the layers' views, and one subtraction forgetting rows in every layer."""
-    target, drafter, _ = trained_tiny
-    runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
-    plain, cache = runtime.new_cache(16), None
-    runtime.forward(list(range(1, 10)), plain)
-    rows = [tensor.clone() for layer in plain.layers for tensor in (layer.keys, layer.values)]
-    assert kv_cache.stack_layers(plain)
-    stack = kv_cache.stacked(plain)
-    assert torch.equal(stack.rows, torch.stack(rows)) and stack.lengths.tolist() == [9] * len(plain.layers)
-    logits, _ = runtime.forward([10, 11], plain)
-    assert stack.lengths.tolist() == [11] * len(plain.layers)
-    assert all(layer.keys.data_ptr() == stack.rows[2 * i].data_ptr() for i, layer in enumerate(plain.layers))
-    reference = TargetRuntime(copy.deepcopy(target.model), drafter.config.aux_layer_ids, static=True)
-    cache = reference.new_cache(16)
-    expected, _ = reference.forward(list(range(1, 12)), cache)
-    assert torch.allclose(logits, expected[-2:], atol=1e-5)  # the rows written through the views were read back
-    assert torch.equal(stack.rows[:, :, :, :11], torch.stack([t for layer in cache.layers
-                                                                for t in (layer.keys, layer.values)])[:, :, :, :11])
-    kv_cache.remove_last_rows(plain, 3)
-    assert [int(layer.get_seq_length()) for layer in plain.layers] == [8] * len(plain.layers)
-    assert kv_cache.row_tensors(plain)[0].data_ptr() == stack.rows.data_ptr()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled step need a GPU")
-@pytest.mark.parametrize("stacked", [False, True])
-def test_the_recorded_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny, stacked):
+def test_the_recorded_device_resident_loops_decode_what_the_host_loops_decode(trained_tiny):
     target, drafter, store = trained_tiny
     model, drafter = copy.deepcopy(target.model).cuda(), copy.deepcopy(drafter).cuda()
     runtime = TargetRuntime(model, drafter.config.aux_layer_ids, compiled=True, log=logging.getLogger("test"))
-    runtime.stacked_cache = stacked  # compiled target steps over views of one buffer, recorded moves of it
     check_loops(runtime, drafter, store, 4)
     assert runtime.compiled and steps_without_cuda_graphs() == 0  # no step fell back to eager or to launches
 
@@ -204,15 +173,13 @@ def test_the_tree_state_on_the_device_is_the_host_loops_tree(trained_tiny):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize(("predictions", "path"), [
     ([11, 13, 15, 16, 40, 40, 41], [1, 3, 6]),  # a -> c -> f, bonus from f
     ([12, 40, 15, 40, 40, 40, 40], [2, 5]),  # b -> e, bonus from e
     ([11, 14, 40, 40, 40, 40, 40], [1, 4]),  # a -> d
     ([40, 40, 40, 40, 40, 40, 40], []),  # nothing: the root's bonus
 ])
-def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(trained_tiny, predictions, path,
-                                                                           stacked):
+def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(trained_tiny, predictions, path):
     """Every kind of path through a 7-node tree, forced through the verify's logits: the step's report, the target
     cache's rows (the path's moved down after the root's) and lengths, and the next tree's state follow the host
     loop's arithmetic (Draft.accept, keep_rows)."""
@@ -228,8 +195,6 @@ def test_the_verified_tree_step_accepts_the_matching_path_and_moves_its_rows(tra
               torch.tensor([0, *tree.depths]), steps)
     layers = [torch.randn(1, 2, slots, 4) for _ in range(4)]  # two layers' keys and values
     lengths = [torch.tensor(n + width) for _ in range(2)]  # the verify wrote the tree's rows
-    if stacked:  # kv_cache.row_tensors / length_tensors of a stacked cache: one buffer, one lengths vector
-        layers, lengths = [torch.cat(layers)], [torch.stack(lengths)]
     before = [tensor.clone() for tensor in layers]
     proposer = DrafterProposer(drafter, static=True)
     proposer.reset(slots)
@@ -289,8 +254,8 @@ def test_the_fused_verified_tree_step_equals_the_eager_one_as_one_graph(trained_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize(("method", "stacked"), [("chain", False), ("tree", False), ("tree", True)])
-def test_a_steps_snapshot_puts_back_everything_the_step_changes(trained_tiny, method, stacked):
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_a_steps_snapshot_puts_back_everything_the_step_changes(trained_tiny, method):
     """Recording a step's CUDA graph runs it three times, each from the snapshot's state: what the step changes (the
     loop state, the target cache's lengths and, for a tree, the rows it moves) must all come back, or the recorded
     runs would walk the sequence past its cache."""
@@ -301,7 +266,6 @@ def test_a_steps_snapshot_puts_back_everything_the_step_changes(trained_tiny, me
     ids = HiddenStore(store).sequence(1)["input_ids"][:16].tolist()
     setting = TreeSetting(3, 2, 5)
     runtime = TargetRuntime(target.model, drafter.config.aux_layer_ids, static=True)
-    runtime.stacked_cache = stacked
     runtime.prepare([3], [setting.rows_ahead])
     cache = runtime.new_cache(len(ids) + 24)
     _, features = runtime.forward(ids[:-1], cache)

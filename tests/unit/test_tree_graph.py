@@ -164,10 +164,3 @@ def test_top_k_in_two_rounds_picks_what_torch_topk_picks(width):
         assert torch.equal(columns, expected_columns)  # random scores: no ties
         assert torch.equal(scores.gather(1, columns), values)
 
-
-def test_the_combo_kernels_option_reaches_the_drafters_fused_steps(request):
-    """`pytest --combo-kernels` (what a GPU run checks before combo kernels become the default) sets the flag the
-    drafter's fused steps compile with; without it they compile as by default."""
-    from eagle3_pipeline.runtime import draft_graph
-
-    assert draft_graph.COMBO_KERNELS is bool(request.config.getoption("--combo-kernels"))

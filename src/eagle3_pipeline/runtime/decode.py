@@ -28,7 +28,6 @@ from eagle3_pipeline.runtime.kv_cache import (
     remove_last_rows,
     rewind,
     row_tensors,
-    stack_layers,
     static_size,
 )
 
@@ -74,10 +73,6 @@ class TargetRuntime:
         self.device_loops = compiled
         # draft trees in those loops too (off: trees in the host loop, chains and the target alone on the device)
         self.device_trees = True
-        # static caches' layers stacked into one buffer after their first forward (kv_cache.stack_layers): a
-        # recorded step then moves and forgets every layer's rows in one kernel; off until timed on a GPU
-        # (benchmarks/bench_decode.py --stacked-cache)
-        self.stacked_cache = False
         if compiled:
             claim_for_compilation(model)
             # one graph per (width, cache size, model): more than dynamo's default of 8 in one evaluation
@@ -193,8 +188,6 @@ class TargetRuntime:
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
         target_attention.use(self.model, self.attention)
         output = forward(input_ids=ids, use_cache=True, **inputs, **{self.cache_argument: cache})
-        if self.static and self.stacked_cache:
-            stack_layers(cache)  # after the forward that initialised the layers (eager: no graph has seen them)
         aux = torch.cat([self.captured[s][0] for s in range(self.aux_count)], dim=-1)
         return output.logits[0], aux
 
@@ -264,7 +257,7 @@ class TargetRuntime:
                 layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, moved)], dim=-2)
             return
         slots = torch.arange(start, len(rows), device=self.device)
-        for tensor in row_tensors(cache):  # every layer's keys and values, or a stacked cache's one buffer
+        for tensor in row_tensors(cache):  # every layer's keys and values
             tensor.index_copy_(-2, slots, tensor.index_select(-2, moved))
         self.crop(cache, len(rows))
 

@@ -1,11 +1,9 @@
 """KV-cache arithmetic shared by the target and drafter runtimes: static cache sizes, forgetting rows of a
 transformers cache in every 5.x version (static layers keep their length in a tensor, which CUDA graphs read), and
-a static cache's layers stacked into one buffer (`stack_layers`), so that a recorded step moves and forgets rows of
-every layer in one kernel instead of one per layer."""
+the tensors a recorded step moves rows of and rewinds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +36,7 @@ def rewind(cache: Any, rows: int) -> None:
 
 def remove_last_rows(cache: Any, count: int) -> None:
     """Forget the last `count` rows of a KV cache (the next update overwrites them). Static layers keep their
-    lengths in tensors: one multi-tensor kernel rewinds them all (one subtraction when stacked), where a crop per
+    lengths in tensors: one multi-tensor kernel rewinds them all, where a crop per
     layer launches a kernel per layer (30 for SmolLM2) after every verify step, while the GPU waits for them."""
     layers = getattr(cache, "layers", [])
     if layers and all(is_static_layer(layer) for layer in layers):
@@ -70,55 +68,12 @@ def drop_rows(layer: Any, count: int) -> None:
         layer.cumulative_length.sub_(count)
 
 
-@dataclass(frozen=True)
-class StackedLayers:
-    """A static cache's layers as views of two tensors: `rows` [2 x layers, batch, kv_heads, slots, head_dim]
-    (layer i's keys at 2i, its values at 2i + 1) and `lengths` [layers] (each layer's `cumulative_length`)."""
-    rows: torch.Tensor
-    lengths: torch.Tensor
-
-
-STACKED = "_eagle3_stacked_layers"  # where a stacked cache keeps its StackedLayers
-
-
-def stack_layers(cache: Any) -> bool:
-    """Point an initialised static cache's layers at views of one buffer (`StackedLayers`), their rows and lengths
-    copied in; transformers keeps updating each layer in place through its views. Returns whether the cache is
-    stacked (layers of different shapes, or not all static and initialised, stay as they are). Stack before any
-    CUDA graph records the cache: a graph keeps the addresses it saw."""
-    if stacked(cache) is not None:
-        return True
-    layers = getattr(cache, "layers", [])
-    if not layers or not all(is_static_layer(layer) for layer in layers):
-        return False
-    if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in layers}) != 1 \
-            or layers[0].keys.shape != layers[0].values.shape:
-        return False
-    stack = StackedLayers(torch.stack([tensor for layer in layers for tensor in (layer.keys, layer.values)]),
-                          torch.stack([layer.cumulative_length for layer in layers]))
-    for index, layer in enumerate(layers):
-        layer.keys, layer.values = stack.rows[2 * index], stack.rows[2 * index + 1]
-        layer.cumulative_length = stack.lengths[index]
-        for tensor in (layer.keys, layer.values, layer.cumulative_length):
-            torch._dynamo.mark_static_address(tensor)
-    setattr(cache, STACKED, stack)
-    return True
-
-
-def stacked(cache: Any) -> StackedLayers | None:
-    return getattr(cache, STACKED, None)
-
-
 def length_tensors(cache: Any) -> list[torch.Tensor]:
-    """What a recorded step rewinds: a stacked cache's one lengths vector, else every static layer's length."""
-    if (stack := stacked(cache)) is not None:
-        return [stack.lengths]
+    """What a recorded step rewinds: every static layer's length."""
     return [layer.cumulative_length for layer in cache.layers]
 
 
 def row_tensors(cache: Any) -> list[torch.Tensor]:
-    """What a recorded step moves rows of, each [.., .., slots, head_dim] (rows on dim 2): a stacked cache's one
-    buffer, else every layer's keys and values."""
-    if (stack := stacked(cache)) is not None:
-        return [stack.rows.flatten(0, 1)]
+    """What a recorded step moves rows of, each [.., .., slots, head_dim] (rows on dim 2): every layer's keys and
+    values."""
     return [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
