@@ -26,7 +26,10 @@ from eagle3_pipeline import config_schema, workflow_config
 try:  # a few lines naming the key, instead of the whole schema and config
     config_schema.check_schema(config, Path(workflow.basedir) / "config" / "schema.yaml")
 except config_schema.ConfigError as exc:
-    sys.exit(f"Config error: {exc}")
+    hint = ("\nA --configfile run starts from the schema's defaults, not from the demo: name run, target.source and "
+            "data.inputs (config/examples/), or give config/config.yaml first to build on the demo."
+            if workflow.overwrite_configfiles and "required property" in str(exc) else "")
+    sys.exit(f"Config error: {exc}{hint}")
 validate(config, "config/schema.yaml")  # passes now; fills in the schema's defaults
 
 

@@ -56,6 +56,10 @@ def test_a_configfile_starts_from_the_schemas_defaults_not_the_cpu_demo(tmp_path
     layered = planned_jobs(tmp_path, mine, "--configfile", str(REPO / "config" / "config.yaml"),
                            str(tmp_path / "test_config.yaml"))  # the demo named first: mine over it
     assert layered["tokenize"] == 2 + 1
+    # a config that leans on the demo without naming it is told how to build on it
+    bare = run_snakemake(tmp_path, {"run": "mine", "data": mine["data"]}, "-n", check=False)
+    assert bare.returncode != 0 and "'target' is a required property" in bare.stderr
+    assert "give config/config.yaml first to build on the demo" in bare.stderr
 
 
 class FakeHubModelInfo(BaseHTTPRequestHandler):
