@@ -62,7 +62,8 @@ SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
 
 def job_settings(section):
     """A config section as a rule's params, less `threads` and its SIZE_ONLY keys: changing a job's size must not
-    rerun it (hours of extraction or training), which Snakemake's params trigger would."""
+    rerun it (hours of extraction or training), which Snakemake's params trigger would. Params are only that
+    trigger: the jobs read the whole section from the config."""
     return {key: value for key, value in config[section].items()
             if key != "threads" and key not in SIZE_ONLY.get(section, ())}
 

@@ -40,12 +40,6 @@ def from_section(cls: type[T], section: Mapping[str, Any], unread: Collection[st
     return cls(**values)
 
 
-def job_section(snakemake: Any, section: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """A config section as a job reads it: its rule's `params` (the keys that decide the output, Snakemake's rerun
-    trigger) over the run's config section, which also holds the keys that only size the job (threads, writers)."""
-    return {**snakemake.config[section], **params}
-
-
 def _lookup(cls: type, section: Mapping[str, Any], path: str) -> Any:
     value: Any = section
     for part in path.split("."):

@@ -20,7 +20,7 @@ from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime import extraction
 from eagle3_pipeline.runtime.extraction import Backend, finite_rows
-from eagle3_pipeline.settings import from_section, job_section, setting
+from eagle3_pipeline.settings import from_section, setting
 
 
 class NonFiniteActivations(ValueError):
@@ -163,6 +163,6 @@ def run(tokens: Path, target_dir: Path, output: Path, settings: Settings, log: l
 def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
-    section = job_section(snakemake, "extract", snakemake.params.extract)
+    section = snakemake.config["extract"]  # the whole section: its params are only the rerun trigger
     settings = from_section(Settings, section, backend=section, trust_remote_code=snakemake.params.trust_remote_code)
     run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings, log)

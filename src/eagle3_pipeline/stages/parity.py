@@ -25,7 +25,7 @@ from eagle3_pipeline.runtime import extraction
 from eagle3_pipeline.runtime.extraction import Backend
 from eagle3_pipeline.runtime.target.devices import pick_device
 from eagle3_pipeline.runtime.target.loading import load_model
-from eagle3_pipeline.settings import from_section, job_section
+from eagle3_pipeline.settings import from_section
 
 COSINE_THRESHOLD = 0.99
 ARGMAX_AGREEMENT = 0.95  # bf16 backends flip near-ties against the fp32 reference; a wrong state scores far lower
@@ -182,7 +182,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     log = logs.setup(snakemake.log[0])
     torch.set_num_threads(snakemake.threads)
     params = snakemake.params
-    settings = from_section(Settings, params.parity, backend=job_section(snakemake, "extract", params.extract),
+    settings = from_section(Settings, params.parity, backend=snakemake.config["extract"],
                             trust_remote_code=params.trust_remote_code)
     run(Path(snakemake.input.tokens), Path(snakemake.input.target), Path(snakemake.output[0]), settings,
         snakemake.log[0], log)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from eagle3_pipeline import logs
 from eagle3_pipeline.formats import drafter_weights, jobs, metrics, reports
 from eagle3_pipeline.runtime.target.devices import describe, process_device
-from eagle3_pipeline.settings import from_section, job_section
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training import windows
 from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line, train
 from eagle3_pipeline.training.selection import summary
@@ -114,7 +114,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     if hasattr(snakemake.input, "last_pass"):  # trained in windows under a disk budget: publish the last pass
         return publish_windowed(snakemake)
     reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
-    settings = from_section(TrainSettings, job_section(snakemake, "train", snakemake.params.settings))
+    settings = from_section(TrainSettings, snakemake.config["train"])
     job = TrainJob(stores=tuple(Path(p) for p in snakemake.input.stores),
                    heldout=tuple(Path(p) for p in snakemake.input.heldout), target=Path(snakemake.input.target),
                    vocab=Path(snakemake.input.vocab), state_dir=Path(snakemake.params.state_dir),
@@ -129,7 +129,7 @@ def publish_windowed(snakemake: Any) -> None:
     logs.setup(snakemake.log[0], name="train", history=state_dir / "train.log")
     reports.write_yaml(Path(snakemake.output.config), dict(snakemake.params.provenance))
     windows.finish(Path(snakemake.input.last_pass), Path(snakemake.input.target), Path(snakemake.input.vocab),
-                   state_dir, from_section(TrainSettings, job_section(snakemake, "train", snakemake.params.settings)),
+                   state_dir, from_section(TrainSettings, snakemake.config["train"]),
                    Path(snakemake.output.weights), Path(snakemake.output.summary), bool(snakemake.input.heldout))
     shutil.copyfile(state_dir / metrics.METRICS_FILE, snakemake.output.metrics)
 

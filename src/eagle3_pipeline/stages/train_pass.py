@@ -15,7 +15,7 @@ from eagle3_pipeline import logs
 from eagle3_pipeline.formats import reports, zarr_io
 from eagle3_pipeline.plan import human_bytes
 from eagle3_pipeline.plan_windows import GB
-from eagle3_pipeline.settings import from_section, job_section
+from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.training.inputs import PassJob
 from eagle3_pipeline.training.loop import DATA_ERRORS, data_error_line
 from eagle3_pipeline.training.settings import TrainSettings
@@ -70,7 +70,7 @@ def run_from_snakemake(snakemake: Any) -> None:
     try:
         train_pass(windows, PassJob(index, previous, Path(snakemake.output.checkpoint)), heldout, dict(params.extract),
                    Path(snakemake.input.target), Path(snakemake.input.vocab), state_dir,
-                   from_section(TrainSettings, job_section(snakemake, "train", params.settings)))
+                   from_section(TrainSettings, snakemake.config["train"]))
     except DATA_ERRORS as error:
         log.error("training stopped: %s", data_error_line(error))
         raise SystemExit(1) from None
