@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -66,6 +67,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # ---------------------------------------------------------------- the snakemake CLI
+
+def rules_taking_a_gpu() -> dict[str, str]:
+    """Every rule whose resources can ask for a GPU (a `gpu=` line), by name, with its text in its .smk file."""
+    rules = {}
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        text = smk.read_text()
+        names = re.findall(r"^\s*rule (\w+):", text, flags=re.M)
+        for name, block in zip(names, re.split(r"^\s*rule \w+:", text, flags=re.M)[1:], strict=True):
+            if re.search(r"^\s+gpu=", block, flags=re.M):
+                rules[name] = block
+    return rules
+
 
 def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) -> dict:
     """`defaults` (the shipped config) with `sections` replacing its keys, one level deep. A section the shipped
