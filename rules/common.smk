@@ -56,7 +56,8 @@ for warning in SETTINGS.warnings:
 DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the copying keys only when in use
 
 
-# a section's keys besides `threads` that size a job or its logs but not its output (the job reads them from the config)
+# a section's keys besides `threads` that size a job or its logs but not its output (the job reads them from the config);
+# extract's are named here, not on its stage's Settings: that module loads torch, which planning must not
 SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
 
 
