@@ -203,6 +203,11 @@ keep() {  # what a closing note needs, as one archive ($OUT brings back at most 
   keep_compile_cache
 }
 
+in_parts() {  # in_parts FILE NAME: FILE into $OUT as NAME-part-00, -01, ... of 15 MiB ($OUT takes files up to 16 MiB)
+  rm -f "$out/$2"-part-*
+  split -b 15M -d "$1" "$out/$2-part-"
+}
+
 keep_compile_cache() {  # the compile caches back in 15 MiB parts, where they fit what $OUT still takes (8 files,
   # 64 MiB); carried into the next session's calls as $COMPILE_CACHE
   [ -d /tmp/e3-inductor ] || return 0
@@ -215,8 +220,7 @@ keep_compile_cache() {  # the compile caches back in 15 MiB parts, where they fi
   tar czf $archive -C /tmp/e3-inductor . 2>/dev/null
   parts=$(( ($(stat -c %s $archive) + 15728639) / 15728640 ))
   if [ $((files + parts)) -le 8 ] && [ $((used + $(stat -c %s $archive))) -le $((63 * 1048576)) ]; then
-    rm -f "$out"/compile-cache-part-*
-    split -b 15M -d $archive "$out/compile-cache-part-"
+    in_parts $archive compile-cache
     echo "compile cache: $(du -sh /tmp/e3-inductor | cut -f1), $parts part(s) of $(du -h $archive | cut -f1) in \$OUT"
   else
     echo "compile cache: $(du -sh /tmp/e3-inductor | cut -f1) ($(du -h $archive | cut -f1) packed) does not fit \$OUT"
@@ -228,8 +232,7 @@ keep_drafter() {  # single: the trained drafter's weights back in parts of 15 Mi
   # drafter.sha256, config.json in the bundle)
   local weights=results/$second_name/serving/drafter/model.safetensors
   [ "$stage" = single ] && [ -e "$weights" ] || return 0
-  rm -f "$out"/drafter-part-*
-  split -b 15M -d "$weights" "$out/drafter-part-"
+  in_parts "$weights" drafter
   sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
 }
 
