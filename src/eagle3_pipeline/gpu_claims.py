@@ -117,9 +117,10 @@ def devices_wanted(snakemake: Any) -> int:
     """How many devices the job uses: 0 where it takes no GPU or its config names one (`cuda:N`, the user's
     choice), `gpu` for training's one process per GPU, else one (a `gpu` share above one still runs on one)."""
     share = int(snakemake.resources.get("gpu", 0))
+    if share < 1:
+        return 0
     section = DEVICE_SECTION[snakemake.rule]
-    device = str(snakemake.config[section].get("device", "auto")) if section else "auto"
-    if share < 1 or ":" in device:
+    if section and ":" in str(snakemake.config[section].get("device", "auto")):
         return 0
     return share if snakemake.rule in ONE_PROCESS_PER_GPU else 1
 
