@@ -28,9 +28,9 @@ from pathlib import Path
 
 from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.formats import conversation_shards
+from eagle3_pipeline.runtime.generation import tokenize_histories
 from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.stages import regenerate
-from eagle3_pipeline.tokenization import render
 
 
 class CountingEngine:
@@ -41,11 +41,11 @@ class CountingEngine:
         # HF: a generate call per batch_size histories; vLLM: one per round
         self.calls_per_round = calls_per_round or (lambda n: -(-n // engine.settings.batch_size))
 
-    def reply(self, histories, seeds):
+    def reply(self, prompts, seeds):
         self.rounds += 1
-        self.histories += len(histories)
-        self.calls += self.calls_per_round(len(histories))
-        return self.engine.reply(histories, seeds)
+        self.histories += len(prompts)
+        self.calls += self.calls_per_round(len(prompts))
+        return self.engine.reply(prompts, seeds)
 
 
 def main() -> None:
@@ -73,8 +73,8 @@ def main() -> None:
     engine = HFEngine(args.target, settings)
     tokenizer = engine.tokenizer
 
-    def count_tokens(history):
-        return len(tokenizer(render(tokenizer, history, True), add_special_tokens=False)["input_ids"])
+    def prepare(histories):
+        return tokenize_histories(tokenizer, histories, {}, max_characters=10**9)
 
     engines = {"eager": engine}
     arms = [("chunks", settings, False), ("rolling", settings, True)]
@@ -96,7 +96,7 @@ def main() -> None:
         start = time.perf_counter()
         for size in (512, 1024, 2048):
             words = size - args.max_new - 40  # ~a token a word: a history that needs this size
-            warm.reply([[{"role": "user", "content": "word " * words}]], [0])
+            warm.reply(prepare([[{"role": "user", "content": "word " * words}]]), [0])
         print(f"  warm-up {name}: {time.perf_counter() - start:.1f} s")
     print(f"{len(chats)} conversations, {turns} assistant turns, batch {args.batch}, pool {4 * args.batch} (vLLM's "
           f"{16 * args.batch}), "
@@ -109,13 +109,14 @@ def main() -> None:
             engine.settings = dataclasses.replace(arm, compile=engine.compiled)
         with tempfile.TemporaryDirectory() as scratch:
             start = time.perf_counter()
-            kept, counts = regenerate.regenerate_conversations(chats, counting, arm, count_tokens,
+            kept, counts = regenerate.regenerate_conversations(chats, counting, arm, prepare,
                                                                Path(scratch) / "progress.jsonl", name, log,
                                                                pool_size=(16 if name == "vllm" else 4) * args.batch,
                                                                rolling=rolling)
             elapsed = time.perf_counter() - start
         replies = counts["replies"]
-        tokens = sum(count_tokens([m]) for c in kept for m in c["messages"] if m["role"] == "assistant")
+        tokens = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                     for c in kept for m in c["messages"] if m["role"] == "assistant")
         rates[name] = tokens / elapsed
         print(f"  {name:<10} {elapsed:7.1f} s  {replies / elapsed:6.2f} replies/s  {tokens / elapsed:8.1f} reply "
               f"tokens/s  rounds {counting.rounds:3d}  histories per round "

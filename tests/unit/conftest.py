@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_pipeline.config_schema import schema_defaults
+from eagle3_pipeline.runtime.generation import Prompt, tokenize_histories
 from eagle3_pipeline.stages import regenerate
 
 
@@ -140,6 +141,13 @@ def regeneration_settings(**overrides) -> regenerate.Settings:
                                             "dtype": "float32", **overrides})
 
 
-def word_count(history):
-    """A stand-in for a tokenizer's count: words plus a template's few tokens per message."""
-    return sum(len(message["content"].split()) + 4 for message in history)
+def word_prompts(histories):
+    """Prompts for the server engine, which sends the messages and reads no token ids: a stand-in for the
+    tokenizer's ids, a token per word plus a template's few per message (what the context limit counts)."""
+    return [Prompt(list(history), [0] * sum(len(message["content"].split()) + 4 for message in history))
+            for history in histories]
+
+
+def target_prompts(tokenizer):
+    """What the stage prepares a round's histories with: rendered with the target's chat template, tokenized."""
+    return lambda histories: tokenize_histories(tokenizer, histories, {}, max_characters=10**9)

@@ -3,6 +3,7 @@ retries/timeouts/rejections against a real local HTTP server. The llama.cpp serv
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -18,12 +19,13 @@ import pytest
 from eagle3_pipeline import assets
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.formats.target_dir import read_identity
+from eagle3_pipeline.runtime.generation import tokenize_histories
 from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.stages import regenerate
-from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.tokenization import TemplateError, render
 from tests.conftest import SAFETY_TIMEOUT_S, send_json, wait_for_event
-from tests.unit.conftest import CHATS, regeneration_settings, word_count
+from tests.unit.conftest import CHATS, regeneration_settings, target_prompts, word_prompts
 
 LOG = logging.getLogger("test")
 
@@ -43,7 +45,8 @@ def hf_engine(loaded_engine) -> HFEngine:
 def test_hf_engine_replies_are_the_targets_greedy_output(tmp_path, hf_engine):
     engine = hf_engine
     kept, counts = regenerate.regenerate_conversations(
-        CHATS, engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+        CHATS, engine, engine.settings, target_prompts(engine.tokenizer), tmp_path / "progress.jsonl", "fp", LOG,
+        pool_size=8)
     assert [c["id"] for c in kept] == ["a", "b", "c"] and counts["kept"] == 3
     for original, new in zip(CHATS, kept, strict=True):
         kept_turns = [m for m in new["messages"] if m["role"] != "assistant"]
@@ -74,7 +77,8 @@ def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_pat
     def sampled(**changes):
         engine.settings = dataclasses.replace(engine.settings, **changes)
         progress = tmp_path / f"progress-{len(list(tmp_path.iterdir()))}.jsonl"
-        return regenerate.regenerate_conversations(CHATS[1:], engine, engine.settings, word_count, progress, "fp",
+        return regenerate.regenerate_conversations(CHATS[1:], engine, engine.settings, target_prompts(engine.tokenizer),
+                                                   progress, "fp",
                                                    LOG, pool_size=8)
 
     kept, counts = sampled()
@@ -91,15 +95,15 @@ def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_eng
     """The compiled engine's batches (static caches, every batch padded to batch_size rows) reply what the eager
     engine replies: here without compiling, greedy and sampled, three histories in batches of two (the second
     padded), then two in a batch of three (a padding row to drop) after the batch size changed."""
-    histories = [chat["messages"][:1] for chat in CHATS]
+    prompts = target_prompts(hf_engine.tokenizer)([chat["messages"][:1] for chat in CHATS])
     for temperature in (0.0, 1.0):
         hf_engine.settings = regeneration_settings(temperature=temperature)
-        eager = hf_engine.reply(histories, [1, 2, 3])
+        eager = hf_engine.reply(prompts, [1, 2, 3])
         hf_engine.static = True
         try:
-            static = hf_engine.reply(histories, [1, 2, 3])
+            static = hf_engine.reply(prompts, [1, 2, 3])
             hf_engine.settings = regeneration_settings(temperature=temperature, batch_size=3)
-            pair = hf_engine.reply(histories[:2], [1, 2])  # rows h1, h2 and a copy of h2: the copy is dropped
+            pair = hf_engine.reply(prompts[:2], [1, 2])  # rows h1, h2 and a copy of h2: the copy is dropped
         finally:
             hf_engine.static = False
         assert [reply.text for reply in static] == [reply.text for reply in eager]
@@ -113,8 +117,8 @@ def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_eng
 def test_a_failed_compiled_generate_goes_on_eagerly_and_gives_back_the_static_caches(hf_engine, caplog):
     """A compiled engine whose generate raises (a compiler error, memory) logs why, drops its static caches and
     replies eagerly - what the eager engine replies - from then on."""
-    histories = [chat["messages"][:1] for chat in CHATS]
-    expected = [reply.text for reply in hf_engine.reply(histories, [0, 0, 0])]
+    prompts = target_prompts(hf_engine.tokenizer)([chat["messages"][:1] for chat in CHATS])
+    expected = [reply.text for reply in hf_engine.reply(prompts, [0, 0, 0])]
     decode, calls = hf_engine._decode, []
 
     def fails_when_static(encoded, seeds):
@@ -128,7 +132,7 @@ def test_a_failed_compiled_generate_goes_on_eagerly_and_gives_back_the_static_ca
     try:
         with caplog.at_level(logging.WARNING):
             hf_engine.log = LOG
-            replies = hf_engine.reply(histories, [0, 0, 0])
+            replies = hf_engine.reply(prompts, [0, 0, 0])
     finally:
         hf_engine._decode, hf_engine.log = decode, None
     assert [reply.text for reply in replies] == expected and calls[:2] == [True, False] and not any(calls[1:])
@@ -145,14 +149,14 @@ def test_the_compiled_engine_replies_what_the_eager_engine_replies(target_dir, h
 
     compiled = HFEngine(target_dir, regeneration_settings(compile=True, max_new_tokens=6), log=LOG)
     hf_engine.settings = regeneration_settings(max_new_tokens=6)
-    histories = [chat["messages"][:1] for chat in CHATS]
+    prompts = target_prompts(hf_engine.tokenizer)([chat["messages"][:1] for chat in CHATS])
     before = counters["stats"]["unique_graphs"]
-    first = compiled.reply(histories[:2], [0, 0])
+    first = compiled.reply(prompts[:2], [0, 0])
     graphs = counters["stats"]["unique_graphs"] - before
     assert compiled.compiled and graphs >= 1  # compiled, not fallen back to eager
-    assert [r.text for r in first] == [r.text for r in hf_engine.reply(histories[:2], [0, 0])]
-    assert [r.text for r in compiled.reply(histories[1:], [0, 0])] == \
-        [r.text for r in hf_engine.reply(histories[1:], [0, 0])]
+    assert [r.text for r in first] == [r.text for r in hf_engine.reply(prompts[:2], [0, 0])]
+    assert [r.text for r in compiled.reply(prompts[1:], [0, 0])] == \
+        [r.text for r in hf_engine.reply(prompts[1:], [0, 0])]
     assert counters["stats"]["unique_graphs"] - before == graphs  # other histories, the same graph
 
 
@@ -189,9 +193,11 @@ def test_row_seeded_sampling_draws_from_the_tempered_distribution_and_each_row_f
 
 def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(tmp_path, hf_engine):
     engine = hf_engine
-    engine.settings = regeneration_settings(max_context_tokens=30)
+    prepare = target_prompts(engine.tokenizer)
+    first_turn = len(prepare([CHATS[0]["messages"][:1]])[0].token_ids)
+    engine.settings = regeneration_settings(max_context_tokens=first_turn + 10 + 2)  # the first turn and its reply
     kept, counts = regenerate.regenerate_conversations(
-        CHATS[:1], engine, engine.settings, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+        CHATS[:1], engine, engine.settings, prepare, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     assert counts["cut_at_context_limit"] == 1
     assert [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
 
@@ -276,7 +282,7 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
         chosen = regeneration_settings(engine="openai", url=server.url, concurrency=2, backoff_s=0.01, thinking=False)
         engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
-            chats, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+            chats, engine, chosen, word_prompts, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     finally:
         server.close()
     assert [c["id"] for c in kept] == ["a", "b", "c"]
@@ -297,7 +303,7 @@ def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_p
         chosen = regeneration_settings(engine="openai", url=server.url + "/v1", max_retries=2, backoff_s=0.01)
         engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="still failing after 3 attempts.*HTTP 503"):
-            regenerate.regenerate_conversations(CHATS, engine, chosen, word_count, tmp_path / "p.jsonl", "fp",
+            regenerate.regenerate_conversations(CHATS, engine, chosen, word_prompts, tmp_path / "p.jsonl", "fp",
                                                 LOG, pool_size=8)
     finally:
         server.close()
@@ -310,7 +316,7 @@ def test_server_engine_times_out(tmp_path):
         chosen = regeneration_settings(engine="openai", url=server.url, max_retries=0, timeout_s=0.3)
         engine = OpenAIEngine(chosen, LOG)
         with pytest.raises(regenerate.ServerUnavailable, match="TimeoutError|timed out"):
-            engine.reply([CHATS[1]["messages"][:2]], [0])
+            engine.reply(word_prompts([CHATS[1]["messages"][:2]]), [0])
     finally:
         server.close()
 
@@ -336,7 +342,7 @@ def test_looping_replies_are_counted_and_optionally_cut(tmp_path, caplog, drop):
         chosen = regeneration_settings(engine="openai", url=server.url, backoff_s=0.01, drop_repetitive=drop)
         engine = OpenAIEngine(chosen, LOG)
         kept, counts = regenerate.regenerate_conversations(
-            LOOPING, engine, chosen, word_count, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+            LOOPING, engine, chosen, word_prompts, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
     finally:
         server.close()
     loop = next(c for c in kept if c["id"] == "loop")["messages"]
@@ -392,3 +398,22 @@ def test_against_a_real_llama_cpp_server(tmp_path, target_dir):
     assert summary["kept"] == 3 and summary["replies"] == 5
     assert all(m["content"] for c in result for m in c["messages"])
     print(json.dumps([c["messages"] for c in result], indent=1))
+
+
+def test_a_round_is_rendered_and_tokenized_once_as_the_target_reads_it(smollm2_tokenizer):
+    """tokenize_histories: each history's ids are its chat-template text tokenized (what the local engines feed the
+    target and the context limit counts); a template that fails names the history's error; a history over the
+    character bound is not tokenized at all."""
+    histories = [chat["messages"][:1] for chat in CHATS] + [CHATS[0]["messages"][:3]]
+    prompts = tokenize_histories(smollm2_tokenizer, histories, {}, max_characters=10**6)
+    for history, prompt in zip(histories, prompts, strict=True):
+        text = render(smollm2_tokenizer, history, True)
+        assert prompt.messages == history
+        assert prompt.token_ids == smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+    long = [{"role": "user", "content": "word " * 50}]
+    too_long, fine = tokenize_histories(smollm2_tokenizer, [long, histories[0]], {}, max_characters=100)
+    assert too_long is None and fine == prompts[0]
+    strict = copy.copy(smollm2_tokenizer)  # a template that refuses what it is given, as some refuse system turns
+    strict.chat_template = "{{ raise_exception('this template takes no such turn') }}"
+    refused, = tokenize_histories(strict, histories[:1], {}, max_characters=100)
+    assert isinstance(refused, TemplateError) and "no such turn" in str(refused)

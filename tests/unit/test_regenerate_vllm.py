@@ -12,7 +12,7 @@ import torch
 from eagle3_pipeline.runtime.generation import RequestRejected, decode_reply
 from eagle3_pipeline.stages import regenerate
 from eagle3_pipeline.tokenization import render
-from tests.unit.conftest import CHATS, regeneration_settings, word_count
+from tests.unit.conftest import CHATS, regeneration_settings, target_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs a CUDA GPU and the vllm package")
@@ -55,7 +55,7 @@ def test_greedy_replies_are_the_targets_own_choices(vllm_engine, scorer):
                for history in histories]
     raw = engine.llm.generate([engine.tokens_prompt(prompt_token_ids=ids) for ids in prompts],
                               [engine.sampling(0)] * len(prompts), use_tqdm=False)
-    replies = engine.reply(histories, [0] * len(histories))
+    replies = engine.reply(target_prompts(engine.tokenizer)(histories), [0] * len(histories))
     exact = total = same_text = 0
     for prompt, output, reply in zip(prompts, raw, replies, strict=True):
         assert not isinstance(reply, RequestRejected) and reply.text and "<|" not in reply.text
@@ -80,7 +80,8 @@ def test_samples_draw_from_their_own_seeds_and_reproduce(tmp_path, vllm_engine):
         engine.settings = vllm_settings(max_new_tokens=16, temperature=1.0, samples=2, **changes)
         engine.llm.reset_prefix_cache()  # a cached prefix is computed in other shapes: other last bits of the logits
         progress = tmp_path / f"progress-{len(list(tmp_path.iterdir()))}.jsonl"
-        return regenerate.regenerate_conversations(CHATS, engine, engine.settings, word_count, progress, "fp", LOG,
+        return regenerate.regenerate_conversations(CHATS, engine, engine.settings, target_prompts(engine.tokenizer),
+                                                   progress, "fp", LOG,
                                                    pool_size=8)[0]
 
     kept = sampled()
@@ -95,6 +96,6 @@ def test_a_history_too_long_for_the_engine_is_rejected_alone(vllm_engine):
     engine = vllm_engine
     engine.settings = vllm_settings()
     too_long = [{"role": "user", "content": "word " * engine.settings.max_context_tokens}]
-    replies = engine.reply([too_long, CHATS[0]["messages"][:1]], [0, 0])
+    replies = engine.reply(target_prompts(engine.tokenizer)([too_long, CHATS[0]["messages"][:1]]), [0, 0])
     assert isinstance(replies[0], RequestRejected) and "exceed max_model_len" in str(replies[0])
     assert not isinstance(replies[1], RequestRejected) and replies[1].text

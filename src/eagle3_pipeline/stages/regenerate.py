@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,19 @@ from eagle3_pipeline.formats import conversation_shards, journal
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' errors, part of this stage's contract
     Engine,
+    Prompt,
     Reply,
     RequestRejected,
     ServerUnavailable,
     Settings,
     open_engine,
+    tokenize_histories,
 )
 from eagle3_pipeline.settings import from_section
-from eagle3_pipeline.tokenization import TemplateError, character_bound, render
+from eagle3_pipeline.tokenization import TemplateError, character_bound
+
+# a round's histories as prompts: generation.tokenize_histories with the run's tokenizer and limits
+Prepare = Callable[[list[list[dict[str, str]]]], list[Prompt | TemplateError | None]]
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -93,7 +99,7 @@ def reply_seed(seed: int, conversation_id: str, sample: int, turn: int) -> int:
 
 
 def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine, settings: Settings,
-                             count_tokens: Any, progress_path: Path, fingerprint: str, log: logging.Logger,
+                             prepare: Prepare, progress_path: Path, fingerprint: str, log: logging.Logger,
                              pool_size: int, rolling: bool = True) -> tuple[list[dict[str, Any]], Counter]:
     """Regenerate every conversation `settings.samples` times; resumable through `progress_path`. Returns the kept
     conversations (in input order, a conversation's samples together) and the counts.
@@ -118,7 +124,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
                     index = waiting.popleft()
                     conversation, sample = work[index]
                     active.append(_InProgress(index, conversations[conversation], sample))
-            tokens = _advance(active, engine, settings, count_tokens, counts, log)
+            tokens = _advance(active, engine, settings, prepare, counts, log)
             done = [state for state in active if state.done]
             for state in done:
                 finished[state.index] = _finished_record(state)
@@ -133,31 +139,27 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
     return kept, counts
 
 
-def _advance(active: list[_InProgress], engine: Engine, settings: Settings, count_tokens: Any, counts: Counter,
+def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prepare: Prepare, counts: Counter,
              log: logging.Logger) -> int:
     """One round: the next reply of every active conversation (those with nothing left are marked done)."""
-    asking, histories = [], []
-    for state in active:
-        history = state.next_history()
-        if history is None:
-            continue
-        try:
-            context = count_tokens(history)
-        except TemplateError as exc:
+    candidates = [(state, history) for state in active if (history := state.next_history()) is not None]
+    asking, prompts = [], []
+    for (state, _), prompt in zip(candidates, prepare([history for _, history in candidates]), strict=True):
+        if isinstance(prompt, TemplateError):
             state.dropped, state.done = "template_error", True
-            log.warning("conversation %s: %s", state.id, exc)
+            log.warning("conversation %s: %s", state.id, prompt)
             continue
-        if context + settings.max_new_tokens > settings.max_context_tokens:
+        if prompt is None or len(prompt.token_ids) + settings.max_new_tokens > settings.max_context_tokens:
             counts["cut_at_context_limit"] += 1
             state.end_before_last_turn()  # the user turn would not fit
             continue
         asking.append(state)
-        histories.append(list(history))
+        prompts.append(prompt)
     if not asking:
         return 0
     generated = 0
     seeds = [reply_seed(settings.seed, state.source["id"], state.sample, len(state.messages)) for state in asking]
-    for state, reply in zip(asking, engine.reply(histories, seeds), strict=True):
+    for state, reply in zip(asking, engine.reply(prompts, seeds), strict=True):
         if isinstance(reply, RequestRejected):
             log.warning("conversation %s: rejected: %s", state.id, reply)
             state.dropped, state.done = "rejected_by_engine", True
@@ -249,16 +251,13 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
     tokenizer = load_tokenizer(target_dir, settings.trust_remote_code)
     bound = character_bound(tokenizer, settings.max_context_tokens)
 
-    def count_tokens(history: list[dict[str, str]]) -> int:
-        if sum(len(m["content"]) for m in history) > bound:
-            return bound  # surely over max_context_tokens: no need to tokenize megabytes to know it
-        text = render(tokenizer, history, True, **settings.template_kwargs())
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def prepare(histories: list[list[dict[str, str]]]) -> list[Prompt | TemplateError | None]:
+        return tokenize_histories(tokenizer, histories, settings.template_kwargs(), bound)
 
     engine, pool_size = open_engine(target_dir, settings, log)
     source = conversation_shards.read(conversation_file)
     progress_path = output.with_name(output.name + ".progress.jsonl")
-    kept, counts = regenerate_conversations(source, engine, settings, count_tokens, progress_path,
+    kept, counts = regenerate_conversations(source, engine, settings, prepare, progress_path,
                                             fingerprint(conversation_file, settings, identity), log, pool_size)
     warn_if_repetitive(counts, settings, log)
     systemic.check("regenerate", str(conversation_file), len(source) * settings.samples, len(kept),

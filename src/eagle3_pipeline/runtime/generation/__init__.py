@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from eagle3_pipeline.settings import setting
+from eagle3_pipeline.tokenization import TemplateError, render
 
 # how the HF engine turns a row's seed into its draws (hf.RowSeededSampling); a sampled run's journal records it
 HF_SAMPLER = "inverse-cdf"
@@ -82,9 +83,42 @@ class ServerUnavailable(RuntimeError):
     """The server kept failing after every retry: stop the job; finished conversations are kept."""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A history to reply to: its messages (what an OpenAI-compatible server takes) and the same rendered with the
+    chat template and tokenized (what the local engines feed the target), rendered once, where its length is checked
+    against the context limit."""
+    messages: list[dict[str, str]]
+    token_ids: list[int]
+
+
 class Engine(Protocol):
-    def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
+    def reply(self, prompts: list[Prompt], seeds: list[int]) -> list[Reply | RequestRejected]:
         ...
+
+
+def tokenize_histories(tokenizer: Any, histories: list[list[dict[str, str]]], template_kwargs: dict[str, Any],
+                       max_characters: int) -> list[Prompt | TemplateError | None]:
+    """Each history as a Prompt (one batched tokenizer call for all), its TemplateError where the chat template
+    fails on it, or None where its content alone is over `max_characters` (surely too long: no need to tokenize
+    megabytes to know it)."""
+    results: list[Prompt | TemplateError | None] = []
+    texts, rendered = [], []
+    for history in histories:
+        if sum(len(message["content"]) for message in history) > max_characters:
+            results.append(None)
+            continue
+        try:
+            texts.append(render(tokenizer, history, True, **template_kwargs))
+        except TemplateError as exc:
+            results.append(exc)
+            continue
+        rendered.append(len(results))
+        results.append(None)
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for index, ids in zip(rendered, encoded, strict=True):
+        results[index] = Prompt(list(histories[index]), list(ids))
+    return results
 
 
 def stop_token_ids(tokenizer: Any, configured: int | list[int] | None) -> list[int]:

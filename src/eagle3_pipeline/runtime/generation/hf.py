@@ -15,8 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings, decode_reply, stop_token_ids
-from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.runtime.generation import Prompt, Reply, RequestRejected, Settings, decode_reply, stop_token_ids
 
 
 class HFEngine:
@@ -59,23 +58,22 @@ class HFEngine:
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.caches: dict[tuple[int, int], Any] = {}  # static caches by (rows, slots)
 
-    def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
-        prompts = [render(self.tokenizer, history, True, **self.settings.template_kwargs()) for history in histories]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    def reply(self, prompts: list[Prompt], seeds: list[int]) -> list[Reply | RequestRejected]:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].token_ids))
         results: list[Reply | RequestRejected] = [RequestRejected("not generated")] * len(prompts)
         for start in range(0, len(order), self.settings.batch_size):
             batch = order[start:start + self.settings.batch_size]
-            replies = self._generate([prompts[i] for i in batch], [seeds[i] for i in batch])
+            replies = self._generate([prompts[i].token_ids for i in batch], [seeds[i] for i in batch])
             for index, reply in zip(batch, replies, strict=True):
                 results[index] = reply
         return results
 
-    def _generate(self, prompts: list[str], seeds: list[int]) -> list[Reply]:
+    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         count = len(prompts)
         if self.static:  # a full batch: one compiled shape per cache size
             padding = self.settings.batch_size - count
             prompts, seeds = prompts + prompts[-1:] * padding, seeds + seeds[-1:] * padding
-        encoded = self.tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(self.device)
+        encoded = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         try:
             output = self._decode(encoded, seeds)
         except Exception as exc:

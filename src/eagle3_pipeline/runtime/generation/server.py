@@ -13,7 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from eagle3_pipeline.runtime.generation import Reply, RequestRejected, ServerUnavailable, Settings
+from eagle3_pipeline.runtime.generation import Prompt, Reply, RequestRejected, ServerUnavailable, Settings
 
 RETRIED_HTTP_CODES = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -30,8 +30,10 @@ class OpenAIEngine:
         self.api_key = os.environ.get(settings.api_key_env, "") if settings.api_key_env else ""
         self.pool = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="regenerate")
 
-    def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
-        futures = [self.pool.submit(self._one, history, seed) for history, seed in zip(histories, seeds, strict=True)]
+    def reply(self, prompts: list[Prompt], seeds: list[int]) -> list[Reply | RequestRejected]:
+        """The server renders the chat template itself: each request sends the prompt's messages."""
+        futures = [self.pool.submit(self._one, prompt.messages, seed)
+                   for prompt, seed in zip(prompts, seeds, strict=True)]
         results: list[Reply | RequestRejected] = []
         for future in futures:
             try:

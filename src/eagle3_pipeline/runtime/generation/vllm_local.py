@@ -3,8 +3,9 @@
 Every round's histories go to one `generate` call, which vLLM batches continuously: `batch_size` sequences decode
 at once and a finished reply's slot goes to the next history of the round at once (the call itself still ends
 with the round's longest reply, so the stage gives this engine a large pool: long rounds). Its prefix cache keeps
-the shared start of a conversation's turns. Prompts are rendered and tokenized here, with the chat template the
-training data is tokenized with, and replies decoded as the HF engine decodes them.
+the shared start of a conversation's turns. Prompts arrive rendered and tokenized with the chat template the
+training data is tokenized with (generation.tokenize_histories), and replies are decoded as the HF engine decodes
+them.
 
 Sampling: each reply carries its own seed. vLLM 0.26's model runner for dense targets draws every row's noise in
 one kernel from the row's seed and position (its older runner, still used for MoE and hybrid targets, draws
@@ -25,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.runtime.generation import Reply, RequestRejected, Settings, decode_reply, stop_token_ids
-from eagle3_pipeline.tokenization import render
+from eagle3_pipeline.runtime.generation import Prompt, Reply, RequestRejected, Settings, decode_reply, stop_token_ids
 
 MISSING_VLLM = ("regenerate.engine 'vllm' needs the vllm package, which this environment lacks: install vllm (its "
                 "torch pin must match the environment's torch; envs/vllm.yaml) or use regenerate.engine 'hf'")
@@ -91,22 +91,20 @@ class VLLMEngine:
             seed=seed if sampled else None, max_tokens=settings.max_new_tokens, stop_token_ids=self.stop_ids,
             detokenize=False)
 
-    def reply(self, histories: list[list[dict[str, str]]], seeds: list[int]) -> list[Reply | RequestRejected]:
+    def reply(self, prompts: list[Prompt], seeds: list[int]) -> list[Reply | RequestRejected]:
         results: list[Reply | RequestRejected] = []
-        prompts, params, asked = [], [], []
-        texts = [render(self.tokenizer, history, True, **self.settings.template_kwargs()) for history in histories]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
-        for ids, seed in zip(encoded, seeds, strict=True):
+        requests, params, asked = [], [], []
+        for ids, seed in zip((prompt.token_ids for prompt in prompts), seeds, strict=True):
             if len(ids) + self.settings.max_new_tokens > self.settings.max_context_tokens:
                 results.append(RequestRejected(f"{len(ids)} prompt tokens + {self.settings.max_new_tokens} new "
                                                f"exceed max_model_len {self.settings.max_context_tokens}"))
                 continue
             asked.append(len(results))
             results.append(RequestRejected("not generated"))
-            prompts.append(self.tokens_prompt(prompt_token_ids=ids))
+            requests.append(self.tokens_prompt(prompt_token_ids=ids))
             params.append(self.sampling(seed))
-        if prompts:
-            for index, output in zip(asked, self.llm.generate(prompts, params, use_tqdm=False), strict=True):
+        if requests:
+            for index, output in zip(asked, self.llm.generate(requests, params, use_tqdm=False), strict=True):
                 completion = output.outputs[0]
                 # (vLLM keeps the stop token in token_ids; decode_reply cuts there)
                 results[index] = decode_reply(self.tokenizer, list(completion.token_ids), self.stop_ids)
