@@ -1,5 +1,6 @@
 # EAGLE-3 drafter pipeline. Run `snakemake -n` first: it prints the disk plan and the job table.
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,7 +29,9 @@ try:  # a few lines naming the key, instead of the whole schema and config
 except config_schema.ConfigError as exc:
     hint = ("\nA --configfile run starts from the schema's defaults, not from the demo: name run, target.source and "
             "data.inputs (config/examples/), or give config/config.yaml first to build on the demo."
-            if workflow.overwrite_configfiles and "required property" in str(exc) else "")
+            if workflow.overwrite_configfiles and re.search(r"config key (\(top level\)|target|data): '(run|target|"
+                                                            r"data|source|inputs)' is a required property", str(exc))
+            else "")
     sys.exit(f"Config error: {exc}{hint}")
 validate(config, "config/schema.yaml")  # passes now; fills in the schema's defaults
 

@@ -111,7 +111,7 @@ detached() {  # detached NAME: $cmd in a process session of its own (setsid), wh
   mkdir -p "$state"
   if [ ! -e "$state/pid" ]; then
     # its own stdout too: an inherited pipe (device_run.sh ... | tail) would stay open until the job ends
-    setsid bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "${cmd[@]}" < /dev/null > /dev/null 2>&1 &
+    setsid bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "${cmd[@]}" < /dev/null > "$state/start.log" 2>&1 &
     echo $! > "$state/pid"
     echo "$name: started in its own session (pid $(cat "$state/pid")) at $SECONDS s"
   fi
@@ -121,6 +121,9 @@ detached() {  # detached NAME: $cmd in a process session of its own (setsid), wh
   cp "$state/log" "$out/$name.log" 2>/dev/null
   if [ -e "$state/rc" ]; then
     echo "$name: snakemake exit $(cat "$state/rc") at $SECONDS s"; tail -3 "$out/$name.log"; return 0
+  fi
+  if ! kill -0 "$(cat "$state/pid")" 2>/dev/null; then  # it never started, or was killed before its status
+    echo "$name: ended without an exit status: $(cat "$state/start.log")"; return 0
   fi
   echo "$name: still running at $SECONDS s (the next call waits on it)"; tail -2 "$out/$name.log"; return 1
 }
@@ -149,11 +152,16 @@ job() {  # job NAME COMMAND...: COMMAND once in a process session of its own; re
   mkdir -p "$state"
   if [ ! -e "$state/pid" ]; then
     touch "$state/log"
-    setsid bash -c '"$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "$@" < /dev/null > /dev/null 2>&1 &
+    setsid bash -c '"$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$state" "$@" < /dev/null > "$state/start.log" 2>&1 &
     echo $! > "$state/pid"
   fi
-  while [ ! -e "$state/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 3; done
+  while [ ! -e "$state/rc" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    sleep 3
+  done
   cp "$state/log" "$out/$name.txt"
+  if [ ! -e "$state/rc" ] && ! kill -0 "$(cat "$state/pid")" 2>/dev/null; then
+    echo "$name: ended without an exit status: $(cat "$state/start.log")"; return 0
+  fi
   [ -e "$state/rc" ] || { echo "$name: still running at $SECONDS s (the next call waits on it)"; return 1; }
   echo "$name: exit $(cat "$state/rc") at $SECONDS s"
 }

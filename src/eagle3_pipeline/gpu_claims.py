@@ -28,7 +28,7 @@ DEVICE_SECTION = {  # rule -> the config section whose `device` it runs on (None
     "extract": "extract", "extract_window": "extract", "parity": "parity", "regenerate": "regenerate",
     "evaluate": "evaluate", "evaluate_timing": "evaluate", "engine_check": None, "train": "train",
     "train_pass": "train"}
-ONE_PROCESS_PER_GPU = frozenset({"train", "train_pass"})  # torchrun's DDP: the job's `gpu` resource in devices
+ONE_PROCESS_PER_GPU = frozenset({"train"})  # torchrun's DDP: the job's `gpu` resource in devices (windows: one)
 
 _held: list[IO[str]] = []  # the open lock files: the claims last as long as the process
 
