@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from eagle3_pipeline import conversation_groups
 from eagle3_pipeline.copying import CopyBoost
 from eagle3_pipeline.raw_records import UNDECODABLE_BYTE, DropReport, IngestError, RawRecord, iter_raw_records
 
@@ -84,9 +85,9 @@ def normalize_record(record: RawRecord, report: DropReport) -> dict[str, Any] | 
     record_id = str(record_id) if record_id not in (None, "") else f"{Path(record.source).name}:{record.index}"
     record_id, count = _replace_lone_surrogates(record_id)
     replaced += count
-    # '#' marks ids the pipeline derives (data.weights' copies `<id>#<n>`, regenerate.samples' `<id>#s<k>`): an
-    # input id holding one is escaped, so no derived id can equal an input's
-    record_id = record_id.replace("%", "%25").replace("#", "%23")
+    # '#' and '@' mark ids the pipeline derives (data.weights' copies `<id>#<n>`, regenerate.samples' `<id>#s<k>`,
+    # an id an earlier input has `<id>@<input>`): an input id holding one is escaped, so no derived id is an input's
+    record_id = record_id.replace("%", "%25").replace("#", "%23").replace("@", "%40")
     if replaced:
         report.modify("lone_surrogates_replaced", *where, f"{replaced} lone UTF-16 surrogate(s) -> U+FFFD")
     return {"id": record_id, "source": Path(record.source).name, "messages": messages}
@@ -151,7 +152,10 @@ def _join_content_parts(parts: list[Any], report: DropReport, where: tuple[str, 
 
 
 def _trim(messages: list[dict[str, str]], report: DropReport, source: str, index: int) -> list[dict[str, str]]:
-    """Cut at the first empty turn, drop leading assistant turns and trailing user turns."""
+    """Drop empty system turns, cut at the first other empty turn, drop leading assistant and trailing user turns."""
+    if any(m["role"] == "system" and not m["content"].strip() for m in messages):
+        report.modify("empty_system_turn_removed", source, index, "an empty system prompt")
+        messages = [m for m in messages if m["role"] != "system" or m["content"].strip()]
     for position, message in enumerate(messages):
         if not message["content"].strip():
             report.modify("cut_at_empty_turn", source, index, f"turn {position} is empty")
@@ -176,8 +180,8 @@ def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
     """Read every input; return kept conversations in input order and the report."""
     report = DropReport()
     kept: list[dict[str, Any]] = []
-    seen_ids: set[str] = set()
-    for path in paths:
+    seen_ids: dict[str, int] = {}  # id -> the input it came from
+    for position, path in enumerate(paths):
         if not path.is_file():
             raise IngestError(f"{path}: input file does not exist")
         for record in iter_raw_records(path, report):
@@ -185,10 +189,16 @@ def ingest(paths: list[Path]) -> tuple[list[dict[str, Any]], DropReport]:
             conversation = normalize_record(record, report)
             if conversation is None:
                 continue
+            record_id = conversation["id"]
+            if seen_ids.get(record_id, position) != position:  # datasets number their records alike: keep both
+                conversation["id"] = f"{record_id}@{position + 1}"
             if conversation["id"] in seen_ids:
-                report.drop("duplicate_id", record.source, record.index, f"id {conversation['id']!r} seen before")
+                report.drop("duplicate_id", record.source, record.index, f"id {record_id!r} seen before")
                 continue
-            seen_ids.add(conversation["id"])
+            if conversation["id"] != record_id:
+                report.modify("id_renamed", record.source, record.index,
+                              f"id {record_id!r} is an earlier input's: {conversation['id']!r}")
+            seen_ids[conversation["id"]] = position
             kept.append(conversation)
     report.kept = len(kept)
     return kept, report
@@ -225,6 +235,7 @@ class Split(NamedTuple):
     shards: list[Conversations]  # training, `num_shards` near-equal shards
     evaluation: Conversations  # the `held-out` prompt set: never trained on, never used to pick weights
     selection: Conversations  # the offline acceptance estimate that picks the epoch: never trained on
+    left_out: int  # other parts and copies of held-out conversations: in no set
 
 
 def split(conversations: Conversations, num_shards: int, eval_count: int, selection_count: int,
@@ -232,15 +243,27 @@ def split(conversations: Conversations, num_shards: int, eval_count: int, select
           copying: CopyBoost | None = None) -> Split:
     """Deterministic seeded split into two disjoint held-out sets and `num_shards` near-equal training shards.
 
-    One seeded order: the first `eval_count` conversations are the evaluation set (the same for a seed whatever
-    `selection_count` is), the next `selection_count` the selection set, the rest (at most `train_count`) training.
-    `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each in twice
-    and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training.
-    `copying` multiplies the weight of conversations whose replies copy from the user (copying.CopyBoost)."""
+    One seeded order of the conversations places whole groups (conversation_groups: the parts of one conversation,
+    identical copies) as it meets them: the first `eval_count` groups are the evaluation set (the same for a seed
+    whatever `selection_count` is), the next `selection_count` the selection set, the rest (at most `train_count`
+    conversations) training. A held-out set takes one conversation of a group (its first part); the group's others
+    are left out. `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each
+    in twice and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of
+    training. `copying` multiplies the weight of conversations whose replies copy from the user (copying.CopyBoost)."""
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
-    held_out = eval_count + selection_count
-    eval_ids, selection_ids, train_ids = order[:eval_count], order[eval_count:held_out], order[held_out:]
+    group = conversation_groups.groups(conversations)
+    first = conversation_groups.representatives(conversations, group)
+    eval_ids, selection_ids, train_ids, placed = [], [], [], {}
+    for i in order:
+        if group[i] not in placed:
+            placed[group[i]] = (eval_ids if len(eval_ids) < eval_count else selection_ids
+                                if len(selection_ids) < selection_count else train_ids)
+            held_out = placed[group[i]] is not train_ids
+            placed[group[i]].append(first[group[i]] if held_out else i)
+        elif placed[group[i]] is train_ids:
+            train_ids.append(i)
+    left_out = len(conversations) - len(eval_ids) - len(selection_ids) - len(train_ids)
     if train_count is not None:
         train_ids = train_ids[:train_count]
     training = [conversations[i] for i in train_ids]
@@ -250,7 +273,7 @@ def split(conversations: Conversations, num_shards: int, eval_count: int, select
         raise IngestError(f"only {len(training)} training conversations for {num_shards} shards (after "
                           f"{len(eval_ids)} held out for evaluation and {len(selection_ids)} for selection)")
     shards = [training[s::num_shards] for s in range(num_shards)]
-    return Split(shards, [conversations[i] for i in eval_ids], [conversations[i] for i in selection_ids])
+    return Split(shards, [conversations[i] for i in eval_ids], [conversations[i] for i in selection_ids], left_out)
 
 
 def _repeat_by_weight(training: Conversations, weights: dict[str, float], seed: int,

@@ -113,7 +113,7 @@ def test_unreadable_inputs_raise_a_clear_error(tmp_path):
 
 
 def test_split_is_deterministic_and_its_three_parts_disjoint():
-    conversations_ = [{"id": f"c{i}", "messages": []} for i in range(113)]
+    conversations_ = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(113)]
     parts = split(conversations_, num_shards=4, eval_count=10, selection_count=10, train_count=None, seed=7)
     assert parts == split(conversations_, num_shards=4, eval_count=10, selection_count=10, train_count=None, seed=7)
     ids = {name: [c["id"] for c in part] for name, part in
@@ -200,3 +200,31 @@ def test_input_ids_cannot_collide_with_the_ids_the_pipeline_derives(tmp_path):
     path.write_text(json.dumps(records))
     kept, report = ingest([path])
     assert [c["id"] for c in kept] == ["a", "a%232", "a%23s2", "a%2523s2"] and report.kept == 4
+
+
+def test_an_id_an_earlier_input_has_is_renamed_and_a_repeat_within_one_input_dropped(tmp_path):
+    """Two datasets numbering their records alike (or two files of one name, whose fallback ids are
+    `<file name>:<index>`) keep every record; an input that repeats its own id loses the repeat, counted."""
+    first = tmp_path / "a" / "train.jsonl"
+    second = tmp_path / "b" / "train.jsonl"
+    for path, text in ((first, "first"), (second, "second")):
+        path.parent.mkdir()
+        lines = [{"messages": [{"role": "user", "content": f"{text} {i}"}, {"role": "assistant", "content": "r"}]}
+                 for i in range(3)]
+        lines.append({"id": "x@1", **lines[0]})  # an input's own '@' is escaped: no renamed id can be it
+        path.write_text("\n".join(json.dumps(line) for line in lines + [{"id": "n", **lines[1]}] * 2) + "\n")
+    kept, report = ingest([first, second])
+    ids = [c["id"] for c in kept]
+    assert ids == ["train.jsonl:0", "train.jsonl:1", "train.jsonl:2", "x%401", "n",
+                   "train.jsonl:0@2", "train.jsonl:1@2", "train.jsonl:2@2", "x%401@2", "n@2"]
+    assert report.modified["id_renamed"] == 5 and report.dropped == {"duplicate_id": 2}
+
+
+def test_an_empty_system_turn_is_removed_not_a_cut(tmp_path):
+    record = {"id": "s", "messages": [{"role": "system", "content": " "}, {"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "r"}]}
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    kept, report = ingest([path])
+    assert [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
+    assert report.modified == {"empty_system_turn_removed": 1} and not report.dropped

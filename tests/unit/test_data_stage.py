@@ -30,7 +30,7 @@ def shards(tmp_path_factory) -> list[list[dict]]:
     raw.write_text(json.dumps(records))
     kept, report = conversations.ingest([raw])
     assert len(kept) == 13 and report.as_dict()["conversations_kept"] == 13
-    train, held_out, selection = conversations.split(kept, num_shards=2, eval_count=0, selection_count=0,
+    train, held_out, selection, _ = conversations.split(kept, num_shards=2, eval_count=0, selection_count=0,
                                                      train_count=None, seed=0)
     assert held_out == selection == [] and sorted(len(s) for s in train) == [6, 7]
     return train

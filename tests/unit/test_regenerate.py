@@ -417,3 +417,21 @@ def test_a_round_is_rendered_and_tokenized_once_as_the_target_reads_it(smollm2_t
     strict.chat_template = "{{ raise_exception('this template takes no such turn') }}"
     refused, = tokenize_histories(strict, histories[:1], {}, max_characters=100)
     assert isinstance(refused, TemplateError) and "no such turn" in str(refused)
+
+
+def test_replies_in_a_row_are_regenerated_as_one_and_a_system_turn_mid_conversation_is_answered(tmp_path):
+    """Inputs other than ShareGPT can hold two assistant turns in a row or a system turn after a reply: every user
+    (or system) turn still gets its regenerated reply, and nothing after them is lost."""
+    turns = {"u1": "user", "u2": "user", "sys": "system", "a": "assistant"}
+    chats = [{"id": cid, "messages": [{"role": turns[name], "content": name} for name in names]}
+             for cid, names in (("twice", ["u1", "a", "a", "u2", "a"]), ("system", ["u1", "a", "sys", "a", "u2", "a"]))]
+    server = FlakyChatServer()
+    try:
+        chosen = regeneration_settings(engine="openai", url=server.url, backoff_s=0.01)
+        kept, counts = regenerate.regenerate_conversations(
+            chats, OpenAIEngine(chosen, LOG), chosen, word_prompts, tmp_path / "progress.jsonl", "fp", LOG, pool_size=8)
+    finally:
+        server.close()
+    assert [[m["content"] for m in c["messages"]] for c in kept] == [
+        ["u1", "echo u1", "u2", "echo u2"], ["u1", "echo u1", "sys", "echo sys", "u2", "echo u2"]]
+    assert counts["replies"] == 5

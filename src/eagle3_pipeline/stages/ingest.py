@@ -49,10 +49,12 @@ def run(inputs: list[Path], shard_outputs: list[Path], eval_output: Path, select
     summary = report.as_dict() | {"train_conversations": sum(map(len, parts.shards)),
                                   "eval_conversations": len(parts.evaluation),
                                   "selection_conversations": len(parts.selection),
+                                  "left_out_parts_and_copies_of_held_out": parts.left_out,
                                   "conversations_per_shard": [len(s) for s in parts.shards]}
     reports.write(report_output, summary)
-    log.info("wrote %d shards (%s conversations), %d held out for evaluation and %d for selection",
-             len(parts.shards), summary["conversations_per_shard"], len(parts.evaluation), len(parts.selection))
+    log.info("wrote %d shards (%s conversations), %d held out for evaluation and %d for selection (their other "
+             "parts and copies, %d, in no set)", len(parts.shards), summary["conversations_per_shard"],
+             len(parts.evaluation), len(parts.selection), parts.left_out)
     return summary
 
 

@@ -70,8 +70,9 @@ class _InProgress:
         while self.cursor < len(original) and original[self.cursor]["role"] != "assistant":
             self.messages.append(dict(original[self.cursor]))
             self.cursor += 1
-        self.cursor += 1  # skip the original reply (or run past the end)
-        if self.messages and self.messages[-1]["role"] == "user":  # a trailing user turn gets a reply too
+        while self.cursor < len(original) and original[self.cursor]["role"] == "assistant":
+            self.cursor += 1  # skip the original reply (replies in a row: one regenerated reply stands for them)
+        if self.messages and self.messages[-1]["role"] != "assistant":  # a trailing user turn gets a reply too
             return self.messages
         self.done = True
         return None
