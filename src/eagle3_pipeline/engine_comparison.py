@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3_pipeline.runtime.speculative import acceptance_by_position, first_divergence
-from eagle3_pipeline.runtime.traces import Trace
+from eagle3_pipeline.runtime.traces import Trace, acceptance_length
 
 MIN_SAME_TEXT = 10  # fewer same-text prompts than this: the verdict rests on every prompt instead
 LIKELY_CAUSES = ("the aux layer ids the engine read (eagle_aux_hidden_state_layer_ids in the drafter's config.json) "
@@ -21,10 +21,7 @@ LIKELY_CAUSES = ("the aux layer ids the engine read (eagle_aux_hidden_state_laye
 
 def evaluator_figures(traces: list[Trace], k: int) -> dict[str, Any]:
     """The evaluator's traces in vLLM's arithmetic: acceptance length = 1 + accepted drafts per verify step."""
-    steps = sum(len(t.accepted) for t in traces)
-    tokens = sum(len(t.tokens) for t in traces)
-    return {"evaluator_acceptance_length": 1 + sum(sum(t.accepted) for t in traces) / max(steps, 1),
-            "evaluator_tau": tokens / max(sum(t.target_forwards for t in traces), 1),
+    return {"evaluator_acceptance_length": acceptance_length(traces),
             "evaluator_acceptance_by_position": acceptance_by_position(traces, k)}
 
 

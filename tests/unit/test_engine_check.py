@@ -61,7 +61,6 @@ def test_the_evaluators_traces_in_vllms_arithmetic():
     traces = [trace("a", "eagle3@k=4", list(range(9)), [2, 0, 4]), trace("b", "eagle3@k=4", [1, 2], [1])]
     figures = engine_comparison.evaluator_figures(traces, 4)
     assert figures["evaluator_acceptance_length"] == pytest.approx(1 + 7 / 4)
-    assert figures["evaluator_tau"] == pytest.approx(11 / 4)
     assert figures["evaluator_acceptance_by_position"][0] == pytest.approx(3 / 4)  # steps with draft 1 accepted
 
 

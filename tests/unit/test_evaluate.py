@@ -25,7 +25,8 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
                   target_forwards=4)
     # position 1 reached 4 times, accepted 3; position 2 reached 3, accepted 2; position 3 reached 2, accepted 1
     assert acceptance_by_position([trace], 3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
-    assert summarise([trace], 3)["tau"] == pytest.approx(11 / 4)
+    assert summarise([trace], 3)["tau"] == pytest.approx(10 / 4)  # per verify step; the prefill's token is none's
+    assert Trace("p", "target", tokens=list(range(11)), target_forwards=10).tau == 1.0
     baseline = Trace("p", "target", tokens=list(range(11)), target_forwards=11, total_seconds=2.0)
     trace.total_seconds, trace.draft_seconds, trace.verify_seconds = 1.0, 0.2, 0.6
     trace.prompt_draft_seconds = 0.08

@@ -5,7 +5,7 @@ each), `start_seconds` {engine: load + compile + capture seconds}, `serve_comman
 {`prompts`, `target` {tokens_per_s, output_tokens}, `target_matches_evaluator_share`, `methods` {"eagle3@k=4": {
 `engine_acceptance_length`, `evaluator_acceptance_length`, `gap`, `passed`, `judged_on` (the prompts the verdict
 rests on: those whose text both decoders agree on, or all), `same_text_prompts`, `engine_acceptance_length_all`,
-`evaluator_acceptance_length_all`, `evaluator_tau`, `engine_acceptance_by_position`,
+`evaluator_acceptance_length_all`, `engine_acceptance_by_position`,
 `evaluator_acceptance_by_position`, `drafts`, `draft_tokens`, `accepted_tokens`, `tokens_per_s`,
 `speedup_vs_target`, `identical_share`, `first_divergence` {prompt id: token index}}}}}.
 Acceptance length is vLLM's: 1 + accepted drafts per verify step, computed the same way from the evaluator's traces

@@ -1,17 +1,17 @@
-"""Evaluation reports: `evaluation/<prompt set>.json` (the tau pass, rule `evaluate`), `timing/timing.json`
-(the timing pass, rule `evaluate_timing`) and the report's `report/tau_and_speedup.csv` (rule `plots`).
+"""Evaluation reports: `evaluation/<prompt set>.json` (the tau pass, rule `evaluate`), `timing/timing.json` (the timing
+pass, rule `evaluate_timing`) and the report's `report/tau_and_speedup.csv` (rule `plots`).
 
-Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}},
-the per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
+Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}}, the
+per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
 speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompt_draft_ms_per_prompt, prompts, loop}}} (loop
 "device": the device-resident loop, whose draft/verify ms are device time; prompt_draft_ms_per_prompt: of the
 drafting, each prompt's first, which writes its rows into the drafter's cache), the settings, `compiled` and
-`compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds
-suspect) and `warm_up_seconds` {static cache size ("2048 slots"), or "eager": the untimed warm-up's seconds,
-compilation and graph capture included on a fresh GPU}. The CSV has TAU_COLUMNS, one row
-per prompt set and method: tau from the tau pass, speeds from the timing pass (empty where it did not run
-that method, e.g. the untrained baseline), and for EAGLE-3 chains and trees the SGLang flags of that setting
-(the summary's `sglang_flags`).
+`compiled_steps_without_cuda_graphs` (non-zero: some compiled steps ran launch by launch, their speeds suspect),
+`tree_verify_eager` (true: the trees' verify failed to compile and ran eagerly, their speeds suspect) and
+`warm_up_seconds` {static cache size ("2048 slots"), or "eager": the untimed warm-up's seconds, compilation and
+graph capture included on a fresh GPU}. The CSV has TAU_COLUMNS, one row per prompt set and method: tau from the tau
+pass, speeds from the timing pass (empty where it did not run that method, e.g. the untrained baseline), and for
+EAGLE-3 chains and trees the SGLang flags of that setting (the summary's `sglang_flags`).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def headline_table(lines: list[Headline]) -> str:
                     f'<span style="font-weight:400">({line.prompts} prompts, {timed})</span></td></tr>')
         pick = fastest(line)
         rows += [table_row(kind, line.best[kind], pick is not None and line.best[kind] == pick) for kind in KINDS]
-    rows += ["</tbody></table>", '<p class="note">tau: tokens per target forward (tau pass); speedup and tokens/s: '
+    rows += ["</tbody></table>", '<p class="note">tau: tokens per verify step (tau pass); speedup and tokens/s: '
              "the timing pass, against the target alone on the same prompts; green: the fastest measured setting of "
              "its prompt set. Every method, k and tree: the Evaluation category.</p>"]
     return "\n".join(rows)

@@ -30,6 +30,7 @@ class Figures:
     sglang_flags: str  # EAGLE-3 settings only: SGLang's flags beside the draft model path
     draft_ms: float | None = None  # per verify step, from the timing pass
     verify_ms: float | None = None
+    loop: str | None = None  # the timing pass's loop: "device" (device-resident) or "host"
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def figures(method: str, values: dict[str, Any], speed: dict[str, Any] | None) -
                    tokens_per_s=speed["tokens_per_s"] if speed else None,
                    sglang_flags=values.get("sglang_flags", ""),
                    draft_ms=speed.get("draft_ms_per_step") if speed else None,
-                   verify_ms=speed.get("verify_ms_per_step") if speed else None)
+                   verify_ms=speed.get("verify_ms_per_step") if speed else None,
+                   loop=speed.get("loop") if speed else None)
 
 
 def best_of(candidates: list[Figures]) -> Figures | None:
@@ -116,7 +118,10 @@ def verdict(line: Headline) -> tuple[str, str]:
     lookup = line.best["prompt lookup"]
     if lookup is None or lookup.speedup is None:
         return ("Serve" if drafter.speedup > 1 else "Not faster here"), gain
-    gain += f", {drafter.speedup / lookup.speedup:.2f}x prompt lookup's speed (prompt lookup: {lookup.speedup:.2f}x)"
+    loops = (f", timed in the {lookup.loop} loop against the target alone in the {drafter.loop} loop"
+             if lookup.loop and drafter.loop and lookup.loop != drafter.loop else "")
+    gain += (f", {drafter.speedup / lookup.speedup:.2f}x prompt lookup's speed (prompt lookup: {lookup.speedup:.2f}x"
+             f"{loops})")
     if drafter.speedup <= 1:
         return "Not faster here", gain + "; decoding without a drafter is faster"
     if lookup.speedup > drafter.speedup:

@@ -77,4 +77,8 @@ def headline_table(evaluations: dict[str, dict[str, Any]], timing: dict[str, Any
         lines += ["", textwrap.fill(
             f"WARNING: {skipped} compiled step(s) of the timing pass ran without CUDA graphs, launch by launch: "
             "its speeds are not a captured decoder's (torch's [__cudagraphs] log lines say why)", WIDTH)]
+    if timing.get("tree_verify_eager"):
+        lines += ["", textwrap.fill(
+            "WARNING: the draft trees' verify could not be compiled and ran eagerly in the timing pass (its log "
+            "says why): their speeds are not a compiled decoder's, and the verdict may pass them over", WIDTH)]
     return "\n".join(lines)

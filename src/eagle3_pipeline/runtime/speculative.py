@@ -11,7 +11,7 @@ One host loop decodes every method (`decode`, after EAGLE's `eagenerate`): per v
 drafts (proposers.py: nothing for the target alone, a chain for prompt lookup and EAGLE-3, a tree for
 `eagle3-tree(steps=..,topk=..,tokens=..)`, SGLang's settings, tree.py), the target processes [next token, drafts]
 in one forward (KV cache), accepts the longest path of drafts equal to its own argmax plus one bonus token, and its
-cache keeps those rows: tau = tokens per target forward. A method is a typed value (methods.py `Method`); its name
+cache keeps those rows: tau = tokens per verify step. A method is a typed value (methods.py `Method`); its name
 keys the traces and results. Compiled runtimes decode the target alone, the EAGLE-3 chains and the trees with the
 loop's state on the device instead (pipelined.py `decode_on_device`, the same loop's twin; `decode_one` picks).
 """
@@ -33,7 +33,7 @@ from eagle3_pipeline.runtime.drafting import DrafterProposer
 from eagle3_pipeline.runtime.methods import PROMPT_LOOKUP, TARGET, Method, TreeSetting
 from eagle3_pipeline.runtime.pipelined import DeviceSteps, decode_on_device
 from eagle3_pipeline.runtime.proposers import Draft, EagleChain, PromptLookup, Proposer, TargetAlone
-from eagle3_pipeline.runtime.traces import Trace, append_until_eos, prefill, synchronize
+from eagle3_pipeline.runtime.traces import Trace, acceptance_length, append_until_eos, prefill, synchronize
 from eagle3_pipeline.runtime.tree import TreeDrafter, tree_problem
 
 
@@ -120,11 +120,9 @@ def acceptance_by_position(traces: list[Trace], k: int) -> list[float]:
 
 def summarise(traces: list[Trace], k: int) -> dict[str, Any]:
     """The tau pass's figures: they count tokens and target forwards, so they do not depend on timing."""
-    tokens = sum(len(t.tokens) for t in traces)
-    forwards = sum(t.target_forwards for t in traces)
     return {
-        "prompts": len(traces), "tokens": tokens, "k": k,
-        "tau": tokens / max(forwards, 1),
+        "prompts": len(traces), "tokens": sum(len(t.tokens) for t in traces), "k": k,
+        "tau": acceptance_length(traces),
         "acceptance_by_position": acceptance_by_position(traces, k),
     }
 

@@ -27,8 +27,16 @@ class Trace:
 
     @property
     def tau(self) -> float:
-        """Tokens per target forward after the prefill (the bonus token included)."""
-        return len(self.tokens) / max(self.target_forwards, 1)
+        """Acceptance length: tokens per verify step, the accepted drafts plus the bonus token (1.0 without drafts)."""
+        return acceptance_length([self])
+
+
+def acceptance_length(traces: list[Trace]) -> float:
+    """Tokens per verify step over the traces, as engines count it: accepted drafts + 1 per step (a method that
+    never drafts right, or does not draft, has 1.0). The prefill's token is no step's, and a last step's tokens
+    past max_new or an end of sequence still count: the step produced them."""
+    steps = sum(len(trace.accepted) for trace in traces)
+    return 1 + sum(sum(trace.accepted) for trace in traces) / steps if steps else 1.0
 
 
 def synchronize(device: torch.device) -> None:

@@ -59,15 +59,13 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     eos = end_of_sequence(tokenizer)
     methods = prepared_methods(target, {"eagle3": drafter}, ks, log, trees)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
-    for size, ids in warm_up_prompts(target, encoded, max_new).items():  # size 0: eager, lazy set-up only
-        log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
-        started = time.perf_counter()
-        warm_up(target, methods, ids, max_new if size else min(max_new, 16), eos, strict, log)
-        seconds = time.perf_counter() - started
-        log.info("timing pass: warm-up took %.1f s (%s)", seconds, "compilation and graph capture included"
-                 if target.compiled else "lazy set-up")
-        if warm_up_seconds is not None:
-            warm_up_seconds[f"{size} slots" if size else "eager"] = seconds
+    sizes = warm_up_prompts(target, encoded, max_new)
+    loops = (target.device_loops, target.device_trees)
+    warm_up_sizes(target, methods, sizes, max_new, eos, strict, log, warm_up_seconds)
+    if (target.device_loops, target.device_trees) != loops and len(sizes) > 1:
+        # a size that fell back to the host loop: the sizes warmed before it never ran that loop's steps
+        log.info("timing pass: warming every cache size again for the loops now in use")
+        warm_up_sizes(target, methods, sizes, max_new, eos, strict, log, warm_up_seconds)
     if target.compiled and (skipped := steps_without_cuda_graphs()):
         log.warning("timing pass: %d compiled step(s) run without CUDA graphs (torch's [__cudagraphs] log lines say "
                     "why): their speeds are launch-bound, not a captured step's", skipped)
@@ -84,6 +82,20 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
                      summary["tokens_per_s"], summary["speedup_vs_target"], summary["draft_ms_per_step"],
                      summary["verify_ms_per_step"], summary["prompt_draft_ms_per_prompt"])
     return results
+
+
+def warm_up_sizes(target: TargetRuntime, methods: dict[Method, Any], sizes: dict[int, list[int]], max_new: int,
+                  eos: set[int], strict: bool, log: Any, warm_up_seconds: dict[str, float] | None) -> None:
+    """The untimed warm-up, one prompt per static cache size (size 0: eager, lazy set-up only)."""
+    for size, ids in sizes.items():
+        log.info("timing pass: warm-up (not timed)%s", f" for static caches of {size} slots" if size else "")
+        started = time.perf_counter()
+        warm_up(target, methods, ids, max_new if size else min(max_new, 16), eos, strict, log)
+        seconds = time.perf_counter() - started
+        log.info("timing pass: warm-up took %.1f s (%s)", seconds, "compilation and graph capture included"
+                 if target.compiled else "lazy set-up")
+        if warm_up_seconds is not None:
+            warm_up_seconds[f"{size} slots" if size else "eager"] = seconds
 
 
 def warm_up(target: TargetRuntime, methods: dict[Method, Any], ids: list[int], max_new: int, eos: set[int],
@@ -139,6 +151,7 @@ def run_timing(target_dir: Path, serving_dir: Path, prompt_sets: dict[str, list[
             "dtype": settings.dtype, "prompts_per_set": settings.prompts,
             "max_new_tokens": settings.max_new_tokens, "compiled": target.compiled,
             "compiled_steps_without_cuda_graphs": steps_without_cuda_graphs() if target.compiled else 0,
+            "tree_verify_eager": bool(target.compiled and settings.trees and target.tree_step_failed),
             "warm_up_seconds": warm_ups, "sets": sets}
 
 
