@@ -3,8 +3,9 @@
 ShareGPT's split files cut a long conversation into parts named `<id>_0`, `<id>_1`, ...; datasets also hold exact
 copies of a conversation. A held-out conversation whose other parts or copies are trained on measures recall, not
 drafting (the bundled ShareGPT has 9,431 conversations in 17,345 parts, up to 89 parts each, and 743 extra
-copies), so parts and copies form one group and the split places whole groups. A stem that more than
-`MAX_PART_SHARE` of all records share is a dataset's own numbering (`item_0` ... `item_9999`), not parts."""
+copies), so parts and copies form one group and the split places whole groups. A stem that more than `MAX_SHARE`
+of all records share is a dataset's own numbering (`item_0` ... `item_9999`), not parts, and a text repeated that
+often is the dataset's template: neither groups (a group that size would leave most of the data out)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import re
 from collections import Counter
 from typing import Any
 
-MAX_PART_SHARE = 0.01
+MAX_SHARE = 0.01
 _PART = re.compile(r"(.+)_(\d+)")
 
 
@@ -34,17 +35,16 @@ def groups(conversations: list[dict[str, Any]]) -> list[int]:
             i = parent[i]
         return i
 
-    parts = [part_of(conversation["id"]) for conversation in conversations]
-    stems = Counter(part[0] for part in parts if part)
-    largest = max(2, int(MAX_PART_SHARE * len(conversations)))
+    parts = [("stem", part[0]) if (part := part_of(conversation["id"])) else None for conversation in conversations]
+    contents = [("content", hashlib.sha256(json.dumps(conversation["messages"]).encode()).hexdigest())
+                for conversation in conversations]
+    sizes = Counter(key for key in parts + contents if key)
+    largest = max(2, int(MAX_SHARE * len(conversations)))
     first_with: dict[tuple[str, str], int] = {}
-    for i, conversation in enumerate(conversations):
-        keys = [("content", hashlib.sha256(json.dumps(conversation["messages"]).encode()).hexdigest())]
-        if parts[i] and stems[parts[i][0]] <= largest:
-            keys.append(("stem", parts[i][0]))
-        for key in keys:
-            j = first_with.setdefault(key, i)
-            parent[root(i)] = root(j)
+    for i in range(len(conversations)):
+        for key in (parts[i], contents[i]):
+            if key and sizes[key] <= largest:  # more: a dataset's numbering, or a template repeated throughout
+                parent[root(i)] = root(first_with.setdefault(key, i))
     return [root(i) for i in range(len(conversations))]
 
 

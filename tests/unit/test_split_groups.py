@@ -15,13 +15,15 @@ def chat(conversation_id: str, text: str | None = None) -> dict:
 
 
 def corpus() -> list[dict]:
-    """1,200 single conversations, 20 conversations of 2-6 parts, 10 copies of single ones, and a dataset's own
-    numbering (item_0 ... item_99: more than 1 % of the records, too many for one conversation's parts)."""
+    """1,200 single conversations, 20 conversations of 2-6 parts, 10 copies of single ones, a dataset's own
+    numbering (item_0 ... item_99: more than 1 % of the records, too many for one conversation's parts) and one
+    text 100 times (a template, not copies to keep together)."""
     rng = random.Random(0)
     records = [chat(f"s{i}") for i in range(1200)]
     records += [chat(f"long{g}_{p}") for g in range(20) for p in rng.sample(range(6), rng.randint(2, 6))]
     records += [chat(f"copy{i}", f"about s{i * 7}") for i in range(10)]
     records += [chat(f"item_{i}") for i in range(100)]
+    records += [chat(f"tpl{i}", "Fill in the form.") for i in range(100)]  # a template repeated throughout
     return records
 
 
@@ -52,10 +54,10 @@ def test_held_out_sets_share_no_conversation_part_or_copy_with_training():
         assert placed == len(records) and parts.left_out > 0
 
 
-def test_a_datasets_numbering_is_not_taken_for_parts():
+def test_a_datasets_numbering_or_template_is_not_taken_for_one_conversation():
     group = conversation_groups.groups(corpus())
-    items = [g for c, g in zip(corpus(), group, strict=True) if c["id"].startswith("item_")]
-    assert len(set(items)) == 100  # 100 records of one stem: more than 1 % of 1,330, so no grouping
+    for prefix in ("item_", "tpl"):  # 100 records of one stem or one text: more than 1 % of 1,430, so no grouping
+        assert len({g for c, g in zip(corpus(), group, strict=True) if c["id"].startswith(prefix)}) == 100
 
 
 def test_without_parts_or_copies_the_split_is_the_seeded_order():
