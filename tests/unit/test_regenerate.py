@@ -435,3 +435,26 @@ def test_replies_in_a_row_are_regenerated_as_one_and_a_system_turn_mid_conversat
     assert [[m["content"] for m in c["messages"]] for c in kept] == [
         ["u1", "echo u1", "u2", "echo u2"], ["u1", "echo u1", "sys", "echo sys", "u2", "echo u2"]]
     assert counts["replies"] == 5
+
+
+def test_a_turn_the_template_refuses_after_replies_keeps_the_replies(tmp_path):
+    """A template that refuses a system turn after the start (as Mistral's do) ends the conversation there: the
+    replies regenerated before it are kept and the cut counted; refused at its first turn, it is dropped."""
+    def refuses_late_system_turns(histories):
+        return [TemplateError("system turns only at the start") if history[-1]["role"] == "system" else prompt
+                for history, prompt in zip(histories, word_prompts(histories), strict=True)]
+
+    chats = [{"id": "late", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"},
+                                         {"role": "system", "content": "sys"}, {"role": "assistant", "content": "a"}]},
+             {"id": "first", "messages": [{"role": "system", "content": "sys"}, {"role": "assistant", "content": "a"},
+                                          {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}]
+    server = FlakyChatServer()
+    try:
+        chosen = regeneration_settings(engine="openai", url=server.url, backoff_s=0.01)
+        kept, counts = regenerate.regenerate_conversations(
+            chats, OpenAIEngine(chosen, LOG), chosen, refuses_late_system_turns, tmp_path / "progress.jsonl", "fp",
+            LOG, pool_size=8)
+    finally:
+        server.close()
+    assert [[m["content"] for m in c["messages"]] for c in kept] == [["u1", "echo u1"]]
+    assert counts["cut_at_template_error"] == 1 and counts["dropped_template_error"] == 1

@@ -69,3 +69,14 @@ def test_without_parts_or_copies_the_split_is_the_seeded_order():
     assert [c["id"] for c in parts.evaluation] == [f"c{i}" for i in order[:5]]
     assert [c["id"] for c in parts.selection] == [f"c{i}" for i in order[5:10]]
     assert parts.shards[0] + parts.shards[1] != [] and parts.left_out == 0
+
+
+def test_a_small_inputs_numbering_is_its_own_and_a_renamed_part_stays_with_its_conversation():
+    """A 150-record input numbered q_0 ... q_149 beside 17,000 records is that input's numbering (over 1 % of it),
+    not 150 parts of one conversation; `abc_1@2` (ingest's rename of an id an earlier input has) is still a part
+    of conversation abc."""
+    large = [{**chat(f"s{i}"), "source": "large.json"} for i in range(17000)]
+    small = [{**chat(f"q_{i}"), "source": "small.json"} for i in range(150)]
+    renamed = [{**chat("abc_0"), "source": "large.json"}, {**chat("abc_1@2", "more"), "source": "copy.json"}]
+    group = conversation_groups.groups(large + small + renamed)
+    assert len(set(group[17000:17150])) == 150 and group[-1] == group[-2]

@@ -30,7 +30,7 @@ from eagle3_pipeline.drafter.objective import shift_left, target_argmax
 @dataclass
 class Estimate:
     positions: int  # draft opportunities scored
-    tau: list[float]  # expected tokens per target forward at draft length k = 1..steps
+    tau: list[float]  # expected tokens per verify step (accepted + 1) at draft length k = 1..steps
     accuracy: list[float]  # top-1 agreement with the target's greedy token per chain step (teacher-forced)
 
     def row(self) -> dict[str, float]:

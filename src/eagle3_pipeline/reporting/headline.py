@@ -118,8 +118,10 @@ def verdict(line: Headline) -> tuple[str, str]:
     lookup = line.best["prompt lookup"]
     if lookup is None or lookup.speedup is None:
         return ("Serve" if drafter.speedup > 1 else "Not faster here"), gain
-    loops = (f", timed in the {lookup.loop} loop against the target alone in the {drafter.loop} loop"
-             if lookup.loop and drafter.loop and lookup.loop != drafter.loop else "")
+    target = line.best["target alone"]
+    baseline_loop = target.loop if target is not None else None
+    loops = (f", timed in the {lookup.loop} loop against the target alone in the {baseline_loop} loop"
+             if lookup.loop and baseline_loop and lookup.loop != baseline_loop else "")
     gain += (f", {drafter.speedup / lookup.speedup:.2f}x prompt lookup's speed (prompt lookup: {lookup.speedup:.2f}x"
              f"{loops})")
     if drafter.speedup <= 1:

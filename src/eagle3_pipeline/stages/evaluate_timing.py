@@ -60,12 +60,12 @@ def timing_pass(target: TargetRuntime, tokenizer: Any, prompt_sets: dict[str, li
     methods = prepared_methods(target, {"eagle3": drafter}, ks, log, trees)
     encoded = {name: encode_prompts(tokenizer, prompts) for name, prompts in prompt_sets.items()}
     sizes = warm_up_prompts(target, encoded, max_new)
-    loops = (target.device_loops, target.device_trees)
-    warm_up_sizes(target, methods, sizes, max_new, eos, strict, log, warm_up_seconds)
-    if (target.device_loops, target.device_trees) != loops and len(sizes) > 1:
-        # a size that fell back to the host loop: the sizes warmed before it never ran that loop's steps
-        log.info("timing pass: warming every cache size again for the loops now in use")
+    while True:  # a size that fell back to the host loop: the sizes warmed before it never ran that loop's steps
+        loops = (target.device_loops, target.device_trees)
         warm_up_sizes(target, methods, sizes, max_new, eos, strict, log, warm_up_seconds)
+        if (target.device_loops, target.device_trees) == loops or len(sizes) == 1:
+            break
+        log.info("timing pass: warming every cache size again for the loops now in use")
     if target.compiled and (skipped := steps_without_cuda_graphs()):
         log.warning("timing pass: %d compiled step(s) run without CUDA graphs (torch's [__cudagraphs] log lines say "
                     "why): their speeds are launch-bound, not a captured step's", skipped)
@@ -94,8 +94,9 @@ def warm_up_sizes(target: TargetRuntime, methods: dict[Method, Any], sizes: dict
         seconds = time.perf_counter() - started
         log.info("timing pass: warm-up took %.1f s (%s)", seconds, "compilation and graph capture included"
                  if target.compiled else "lazy set-up")
-        if warm_up_seconds is not None:
-            warm_up_seconds[f"{size} slots" if size else "eager"] = seconds
+        if warm_up_seconds is not None:  # a second warm-up after a fallback adds to the first
+            key = f"{size} slots" if size else "eager"
+            warm_up_seconds[key] = warm_up_seconds.get(key, 0.0) + seconds
 
 
 def warm_up(target: TargetRuntime, methods: dict[Method, Any], ids: list[int], max_new: int, eos: set[int],

@@ -147,8 +147,12 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prep
     asking, prompts = [], []
     for (state, _), prompt in zip(candidates, prepare([history for _, history in candidates]), strict=True):
         if isinstance(prompt, TemplateError):
-            state.dropped, state.done = "template_error", True
             log.warning("conversation %s: %s", state.id, prompt)
+            if any(message["role"] == "assistant" for message in state.messages):
+                counts["cut_at_template_error"] += 1  # a later turn the template refuses: keep the replies so far
+                state.end_before_last_turn()
+            else:
+                state.dropped, state.done = "template_error", True
             continue
         if prompt is None or len(prompt.token_ids) + settings.max_new_tokens > settings.max_context_tokens:
             counts["cut_at_context_limit"] += 1
