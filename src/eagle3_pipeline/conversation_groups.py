@@ -62,12 +62,10 @@ def groups(conversations: list[dict[str, Any]]) -> list[int]:
 def representatives(conversations: list[dict[str, Any]], group: list[int]) -> dict[int, int]:
     """Per group, the conversation a held-out set takes: the first part (the later ones continue it, and their first
     user turn is often just "continue"), else the first in input order."""
-    def rank(i: int) -> tuple[int, int]:
-        part = part_of(conversations[i]["id"])
-        return (part[1] if part else 0, i)
-
+    ranks = [(part[1] if (part := part_of(conversation["id"])) else 0, i)
+             for i, conversation in enumerate(conversations)]
     chosen: dict[int, int] = {}
     for i, g in enumerate(group):
-        if g not in chosen or rank(i) < rank(chosen[g]):
+        if g not in chosen or ranks[i] < ranks[chosen[g]]:
             chosen[g] = i
     return chosen

@@ -83,8 +83,8 @@ def claim(count: int, gpus: list[str], directory: Path) -> tuple[list[str], list
     with _lock_file(directory, "choosing.lock") as choosing:
         fcntl.flock(choosing, fcntl.LOCK_EX)
         load = {gpu: held_slots(directory, gpu) for gpu in gpus}
-        chosen = sorted(gpus, key=lambda gpu: (load[gpu], gpus.index(gpu)))[:count]
-        chosen.sort(key=gpus.index)
+        least_held = set(sorted(gpus, key=load.__getitem__)[:count])  # a stable sort: listed order among equals
+        chosen = [gpu for gpu in gpus if gpu in least_held]
         return chosen, [take_slot(directory, gpu) for gpu in chosen]
 
 
