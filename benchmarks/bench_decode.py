@@ -29,6 +29,7 @@ import argparse
 import logging
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,10 +56,12 @@ def target_directory(source: str, scratch: Path) -> Path:
     return scratch / "target"
 
 
-def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype) -> Drafter:
+def untrained_drafter(target_dir: Path, draft_vocab: int, device: str, dtype: torch.dtype,
+                      intermediate_size: int | None = None) -> Drafter:
     config = loading.load_config(target_dir)
     layers = config.num_hidden_layers
-    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab, [2, layers // 2, layers - 3]))
+    shape = DrafterConfig.from_target(config, draft_vocab, [2, layers // 2, layers - 3])
+    drafter = Drafter(replace(shape, intermediate_size=intermediate_size or shape.intermediate_size))
     embedding, _ = read_head(target_dir)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embedding.float())
@@ -196,6 +199,9 @@ def main() -> None:
     parser.add_argument("--tau", type=float, help="a measured tau at this k, for the projected speedup")
     parser.add_argument("--serving", type=Path, help="a trained drafter's serving directory (default: an untrained "
                         "drafter of the target's shape, whose drafts are rejected)")
+    parser.add_argument("--drafter-intermediate-size", type=int,
+                        help="the untrained drafter's MLP width (train.drafter_intermediate_size; default the "
+                             "target's): a run's shape, so that this run's compiled kernels serve its timing pass")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
@@ -206,6 +212,9 @@ def main() -> None:
     parser.add_argument("--no-combo-kernels", action="store_true",
                         help="the drafter's fused steps without inductor's combo kernels (the default fuses "
                              "independent kernels side by side, e.g. a tree step's per-layer KV moves)")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="the timing pass alone, without the chain and tree comparisons after it (e.g. to fill "
+                             "the compile cache for a run's timing pass)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the compiled target-only decode and the fused drafter chain")
     args = parser.parse_args()
@@ -233,7 +242,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     """One runtime's timing pass (target-only and the chain at k) on the prompts: target-only tokens/s."""
     model = loading.load_model(target_dir, device=device, dtype=dtype)
     drafter = (load_served_for(target_dir, args.serving, dtype).to(device) if args.serving
-               else untrained_drafter(target_dir, 16384, device, dtype))
+               else untrained_drafter(target_dir, 16384, device, dtype, args.drafter_intermediate_size))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache
@@ -270,7 +279,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     for method, loops in tree_rates.items():
         if {"host", "device"} <= set(loops):
             print(f"  {method}: device loop / host loop = {loops['device'] / loops['host']:.2f}x", flush=True)
-    if mode == "compiled":
+    if mode == "compiled" and not args.timing_only:
         compare_chains(decoder, tokenizer, prompts[0], drafter, args.k, log, args.profile)
         compare_trees(decoder, tokenizer, prompts[0], drafter, log)
         if args.profile:

@@ -24,6 +24,8 @@
 #             BENCH_REGEN=1: bench_regenerate.py, eager vs compiled engine, sampled ($REGEN_ARGS) beside the data stage,
 #             into logs/bench-regenerate.txt (REGEN_ARGS="... --compiled --vllm": the compiled HF engine vs vLLM's,
 #             with vLLM staged and /opt/e3/vllm on PYTHONPATH).
+#             WARM_COMPILE=1: the timing pass's compiling, beside training, on an untrained drafter of the run's
+#             shape (warm_compile below; $WARM_ARGS must match the run's evaluate and train settings).
 #             DETACH=1: snakemake runs in a process session of its own, which outlives the call while the machine
 #             stays warm; the same command in the next call waits on it (nothing killed, nothing resumed). Checked on
 #             the H200: a setsid process ran on across two calls 6 s apart.
@@ -194,6 +196,23 @@ profile_loops() {  # profile_loops SECONDS: profile_loops.py on the run's drafte
   grep -v "Warning\|warn\|Converting\|Loading\|Writing" logs/profile/profile.txt | tail -70
 }
 
+warm_compile() {  # once the run's training starts, its timing pass's compiling on an untrained drafter of the run's
+  # shape ($WARM_ARGS: the example's), through the timing pass's own code on its prompts, in a process session of its
+  # own: the kernels land in the compile cache that the run's timing pass then finds (minutes of a fresh GPU's
+  # compiling off the critical path, spent beside training). Output in logs/warm-compile.txt.
+  [ -e /tmp/e3-warm.pid ] && return
+  mkdir -p logs
+  # (its start and end times in the log: the run's timing pass must not overlap it)
+  setsid bash -c 'while [ ! -e "$0" ]; do sleep 10; done; echo "started $(date +%T)"; "$@"; rc=$?; echo "ended $(date +%T), exit $rc"' \
+    "logs/$second_name/train.log" \
+    python3 benchmarks/bench_decode.py --target "results/$second_name/target" --timing-only --modes compiled \
+    --loops device --dtypes bfloat16 \
+    ${WARM_ARGS:---prompts 20 --max-new 128 --k 4 --trees 5,8,32 --drafter-intermediate-size 6144} \
+    < /dev/null > logs/warm-compile.txt 2>&1 &
+  echo $! > /tmp/e3-warm.pid
+  echo "warm compile: waits for logs/$second_name/train.log (pid $(cat /tmp/e3-warm.pid))"
+}
+
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
   for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
@@ -291,6 +310,7 @@ case $stage in
          > logs/bench-regenerate.txt 2>&1) &
       regen=$!
     fi
+    [ "${WARM_COMPILE:-0}" = 1 ] && warm_compile
     snakemake_for "${second[@]}"
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
       "${cmd[@]}" --unlock >/dev/null 2>&1
