@@ -243,26 +243,25 @@ def split(conversations: Conversations, num_shards: int, eval_count: int, select
           copying: CopyBoost | None = None) -> Split:
     """Deterministic seeded split into two disjoint held-out sets and `num_shards` near-equal training shards.
 
-    One seeded order of the conversations places whole groups (conversation_groups: the parts of one conversation,
-    identical copies) as it meets them: the first `eval_count` groups are the evaluation set (the same for a seed
-    whatever `selection_count` is), the next `selection_count` the selection set, the rest (at most `train_count`
-    conversations) training. A held-out set takes one conversation of a group (its first part); the group's others
-    are left out. `weights` (by source file name) repeats a source's training conversations: weight 2.5 puts each
-    in twice and a seeded half of them a third time (copies get ids `<id>#2`, ...); 0 leaves the source out of
-    training. `copying` multiplies the weight of conversations whose replies copy from the user (copying.CopyBoost)."""
-    order = list(range(len(conversations)))
-    random.Random(seed).shuffle(order)
+    One seeded order of the groups (conversation_groups: the parts of one conversation, identical copies; each group
+    counts once, however many parts it has, so long conversations are not favoured) places them: the first
+    `eval_count` groups are the evaluation set (the same for a seed whatever `selection_count` is), the next
+    `selection_count` the selection set, the rest (at most `train_count` conversations) training. A held-out set
+    takes one conversation of a group (its first part); the group's others are left out. `weights` (by source file
+    name) repeats a source's training conversations: weight 2.5 puts each in twice and a seeded half of them a
+    third time (copies get ids `<id>#2`, ...); 0 leaves the source out of training. `copying` multiplies the weight
+    of conversations whose replies copy from the user (copying.CopyBoost)."""
     group = conversation_groups.groups(conversations)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group):
+        members.setdefault(g, []).append(i)
+    order = list(members)  # by each group's first conversation: without groups, the conversations' own order
+    random.Random(seed).shuffle(order)
     first = conversation_groups.representatives(conversations, group)
-    eval_ids, selection_ids, train_ids, placed = [], [], [], {}
-    for i in order:
-        if group[i] not in placed:
-            placed[group[i]] = (eval_ids if len(eval_ids) < eval_count else selection_ids
-                                if len(selection_ids) < selection_count else train_ids)
-            held_out = placed[group[i]] is not train_ids
-            placed[group[i]].append(first[group[i]] if held_out else i)
-        elif placed[group[i]] is train_ids:
-            train_ids.append(i)
+    held_out = eval_count + selection_count
+    eval_ids = [first[g] for g in order[:eval_count]]
+    selection_ids = [first[g] for g in order[eval_count:held_out]]
+    train_ids = [i for g in order[held_out:] for i in members[g]]
     left_out = len(conversations) - len(eval_ids) - len(selection_ids) - len(train_ids)
     if train_count is not None:
         train_ids = train_ids[:train_count]

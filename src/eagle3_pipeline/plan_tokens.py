@@ -7,8 +7,8 @@ then exact); before that from the raw inputs: a seeded sample of records read an
 code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
 as ingest makes it (data.eval_conversations and data.selection_conversations first, then
 data.train_conversations, then data.weights). Repeated ids, which ingest drops, are not seen in a sample, nor are
-the other parts and copies of held-out conversations, which the split leaves out (about 6 % of the bundled
-ShareGPT with 80 + 80 held out: the plan is that much high); with
+the other parts and copies of held-out conversations, which the split leaves out (1-2 % of the bundled
+ShareGPT and CodeI/O with 200 + 200 held out: the plan is about that much high); with
 regeneration on, the ingested replies stand in for the regenerated ones until those exist (each counted
 `regenerate.samples` times). The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
 tokenizer and the settings, so only the first plan pays for it.
