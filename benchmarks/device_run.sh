@@ -199,18 +199,27 @@ profile_loops() {  # profile_loops SECONDS: profile_loops.py on the run's drafte
 warm_compile() {  # once the run's training starts, its timing pass's compiling on an untrained drafter of the run's
   # shape ($WARM_ARGS: the example's), through the timing pass's own code on its prompts, in a process session of its
   # own: the kernels land in the compile cache that the run's timing pass then finds (minutes of a fresh GPU's
-  # compiling off the critical path, spent beside training). Output in logs/warm-compile.txt.
-  [ -e /tmp/e3-warm.pid ] && return
+  # compiling off the critical path, spent beside training). Output in logs/warm-compile.txt, with its start and end.
+  # It is stopped if the run's timing pass starts first (the timings must have the GPU to themselves).
+  local pidfile=/tmp/e3-warm-$second_name.pid train_log=logs/$second_name/train.log
+  local timing_log=logs/$second_name/evaluate_timing.log
+  [ -e "$pidfile" ] || [ -e "results/$second_name/serving" ] && return
   mkdir -p logs
-  # (its start and end times in the log: the run's timing pass must not overlap it)
-  setsid bash -c 'while [ ! -e "$0" ]; do sleep 10; done; echo "started $(date +%T)"; "$@"; rc=$?; echo "ended $(date +%T), exit $rc"' \
-    "logs/$second_name/train.log" \
+  setsid bash -c '
+    train_log=$0 timing_log=$1; shift
+    while [ ! -e "$train_log" ]; do sleep 10; done
+    echo "started $(date +%T)"; "$@" & job=$!
+    while kill -0 $job 2>/dev/null; do
+      [ -e "$timing_log" ] && { kill $job; echo "stopped $(date +%T): the timing pass began"; break; }
+      sleep 2
+    done
+    wait $job; rc=$?; echo "ended $(date +%T), exit $rc"' "$train_log" "$timing_log" \
     python3 benchmarks/bench_decode.py --target "results/$second_name/target" --timing-only --modes compiled \
     --loops device --dtypes bfloat16 \
     ${WARM_ARGS:---prompts 20 --max-new 128 --k 4 --trees 5,8,32 --drafter-intermediate-size 6144} \
     < /dev/null > logs/warm-compile.txt 2>&1 &
-  echo $! > /tmp/e3-warm.pid
-  echo "warm compile: waits for logs/$second_name/train.log (pid $(cat /tmp/e3-warm.pid))"
+  echo $! > "$pidfile"
+  echo "warm compile: waits for $train_log (pid $(cat "$pidfile"))"
 }
 
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
