@@ -37,6 +37,11 @@
 #   sequel    one GPU: the example (+ $FIRST overlays) through its report, then the same trained drafter evaluated
 #             again under $SECOND overlays (e.g. bf16) in a hard-linked copy of the run; BENCH_DECODE=1 then runs
 #             bench_decode.py when time is left; resumable across calls like compare.
+#   arms      data ablations side by side: $ARMS lists the arms, separated by ';', each its overlays (the last
+#             `run:` among them names it); $COMMON's overlays follow every arm's (the session's sizes win, e.g.
+#             benchmarks/configs/gpu-smollm2-ablation-arms.yaml). Every arm runs detached, the arms' GPUs taken in
+#             turn, to its tau pass (--omit-from evaluate_timing: no arm times while another computes); the same
+#             command in the next call waits on them. GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules).
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
@@ -72,6 +77,7 @@ deadline=$((SECONDS + limit))
 last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
+arm_names=()  # the arms stage's runs (keep bundles them)
 read -ra second <<< "${SECOND:-benchmarks/configs/gpu-smollm2-8k.yaml}"
 second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
 
@@ -224,16 +230,19 @@ warm_compile() {  # once the run's training starts, its timing pass's compiling 
 
 keep() {  # what a closing note needs, as one archive ($OUT brings back at most 8 files)
   local files=()
-  for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name; do
+  for run in results/smollm2-gpu results/${first_name:-smollm2-gpu} results/$second_name \
+             ${arm_names[@]/#/results/}; do
     for f in conversations/ingest_report.json vocab/data_stats.json parity reports \
              train/summary.json train/metrics.csv train/config_snapshot.yaml evaluation timing report engine_check \
              serving/drafter/config.json; do
       [ -e "$run/$f" ] && files+=("$run/$f")
     done
   done
-  [ -e results/smollm2-gpu/regenerated/shard-00000.jsonl ] && \
-    head -c 200000 results/smollm2-gpu/regenerated/shard-00000.jsonl > regenerated-sample.jsonl && \
-    files+=(regenerated-sample.jsonl)
+  for run in results/*/; do  # the first 200 kB of every run's first regenerated shard
+    [ -e "$run/regenerated/shard-00000.jsonl" ] || continue
+    head -c 200000 "$run/regenerated/shard-00000.jsonl" > "regenerated-sample-$(basename "$run").jsonl"
+    files+=("regenerated-sample-$(basename "$run").jsonl")
+  done
   tar czf "$out/$stage-bundle.tar.gz" logs "${files[@]}" /tmp/ddp/*.txt /tmp/ddp/*/train.log 2>/dev/null
   keep_drafter
   keep_compile_cache
@@ -272,6 +281,39 @@ keep_drafter() {  # single: the trained drafter's weights back in parts of 15 Mi
   sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
 }
 
+gpu_tests() {  # GPU_TESTS=1: the CUDA-only test modules ($GPU_TEST_MODULES), each in a pytest process of its own (a
+  # CUDA fault in one would break the other's context), in the background; output under logs/gpu-tests/
+  [ "${GPU_TESTS:-0}" = 1 ] && [ ! -e logs/gpu-tests ] || return 0
+  mkdir -p logs/gpu-tests
+  # test_regenerate_vllm skips itself unless vLLM is staged (benchmarks/device-stage-vllm.sh)
+  (for module in ${GPU_TEST_MODULES:-test_pipelined test_tree_graph test_regenerate_vllm}; do
+     # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
+     # -rfE --tb=short: each failure's reason in the log
+     python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
+       > "logs/gpu-tests/$module.txt" 2>&1
+   done) &
+}
+
+run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, $COMMON after each) detached
+  local arm overlays name index=0 gpus=$((last_gpu + 1))
+  IFS=';' read -ra arm_list <<< "${ARMS:?ARMS lists the arms, separated by ;}"
+  for arm in "${arm_list[@]}"; do
+    read -ra overlays <<< "$arm ${COMMON:-}"
+    name=$(grep -h '^run:' "$example" "${overlays[@]}" | tail -1 | awk '{print $2}')
+    arm_names+=("$name")
+    (export CUDA_VISIBLE_DEVICES=$((index % gpus)) DETACH=1
+     if [ ! -e "/tmp/e3-detached/$name/pid" ]; then  # not while its detached run holds the locks
+       snakemake_for "${overlays[@]}" --omit-from evaluate_timing
+       "${cmd[@]}" --unlock >/dev/null 2>&1
+       { echo "== $name"; "${cmd[@]}" -n 2>&1 | grep -A9 "Disk plan (bytes"; } > "/tmp/e3-plan-$name.txt"
+     fi
+     pipeline "$name" "${overlays[@]}" --omit-from evaluate_timing) &
+    index=$((index + 1))
+  done
+  wait
+  for name in "${arm_names[@]}"; do cat "/tmp/e3-plan-$name.txt" 2>/dev/null; done | tee "$out/plan.txt"
+}
+
 case $stage in
   compare)
     for overlays in "" "${second[*]}"; do
@@ -287,16 +329,7 @@ case $stage in
     cat "$out/plan.txt" "$out/bench_extract.txt" 2>/dev/null
     ;;
   single)
-    if [ "${GPU_TESTS:-0}" = 1 ] && [ ! -e logs/gpu-tests ]; then
-      mkdir -p logs/gpu-tests
-      # test_regenerate_vllm skips itself unless vLLM is staged (benchmarks/device-stage-vllm.sh)
-      (for module in test_pipelined test_tree_graph test_regenerate_vllm; do
-         # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
-        # -rfE --tb=short: each failure's reason in the log
-        python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
-          > "logs/gpu-tests/$module.txt" 2>&1
-       done) &
-    fi
+    gpu_tests
     # VLLM_SMOKE=1: once the run's target directory exists, vLLM (staged by device-stage-vllm.sh) on it alone,
     # beside the data stage: a missing wheel shows in the first call, not after training
     if [ "${VLLM_SMOKE:-0}" = 1 ] && [ ! -e logs/vllm-smoke.txt ]; then
@@ -366,6 +399,10 @@ case $stage in
     fi
     [ -d "results/$second_name" ] && pipeline "$second_name" "${second[@]}" --rerun-triggers mtime
     [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && bench_decode $((deadline - SECONDS - 20))
+    ;;
+  arms)
+    gpu_tests
+    run_arms
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &
