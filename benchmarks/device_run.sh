@@ -78,6 +78,7 @@ last_gpu=$(($(nvidia-smi --list-gpus | wc -l) - 1))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
 arm_names=()  # the arms stage's runs (keep bundles them)
+run_logs=$out  # where a run's Snakemake log goes (the arms stage: into the bundle; $OUT takes 8 files)
 read -ra second <<< "${SECOND:-benchmarks/configs/gpu-smollm2-8k.yaml}"
 second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
 
@@ -103,11 +104,11 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
   else
     # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
     # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
-    timeout -k 20 $left "${cmd[@]}" >> "$out/$name.log" 2>&1
-    echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$name.log"
+    timeout -k 20 $left "${cmd[@]}" >> "$run_logs/$name.log" 2>&1
+    echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$run_logs/$name.log"
   fi
-  if "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
-    "${cmd[@]}" --report "$out/$name-report.html" >> "$out/$name.log" 2>&1 && echo "$name: report written"
+  if [ "${REPORT:-1}" = 1 ] && "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
+    "${cmd[@]}" --report "$out/$name-report.html" >> "$run_logs/$name.log" 2>&1 && echo "$name: report written"
   fi
 }
 
@@ -126,14 +127,14 @@ detached() {  # detached NAME: $cmd in a process session of its own (setsid), wh
   while [ ! -e "$state/rc" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
     sleep 5
   done
-  cp "$state/log" "$out/$name.log" 2>/dev/null
+  cp "$state/log" "$run_logs/$name.log" 2>/dev/null
   if [ -e "$state/rc" ]; then
-    echo "$name: snakemake exit $(cat "$state/rc") at $SECONDS s"; tail -3 "$out/$name.log"; return 0
+    echo "$name: snakemake exit $(cat "$state/rc") at $SECONDS s"; tail -3 "$run_logs/$name.log"; return 0
   fi
   if ! kill -0 "$(cat "$state/pid")" 2>/dev/null; then  # it never started, or was killed before its status
     echo "$name: ended without an exit status: $(cat "$state/start.log")"; return 0
   fi
-  echo "$name: still running at $SECONDS s (the next call waits on it)"; tail -2 "$out/$name.log"; return 1
+  echo "$name: still running at $SECONDS s (the next call waits on it)"; tail -2 "$run_logs/$name.log"; return 1
 }
 
 two_runs() {  # the first run ($FIRST overlays) and the second ($SECOND): names, locks left by a stopped call, plan
@@ -401,6 +402,7 @@ case $stage in
     [ "${BENCH_DECODE:-0}" = 1 ] && [ $((deadline - SECONDS)) -gt 200 ] && bench_decode $((deadline - SECONDS - 20))
     ;;
   arms)
+    run_logs=logs/arms REPORT=0; mkdir -p $run_logs  # four arms' logs and reports would overflow $OUT's 8 files
     gpu_tests
     run_arms
     ;;
