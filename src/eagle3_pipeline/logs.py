@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+_job_handlers: list[logging.Handler] = []  # what setup() gave the root logger: reattach() restores them
+_replaced_streams: list = []  # kept, never closed: their descriptors may belong to someone else by now
+
 
 class ClearError(Exception):
     """An expected failure whose message names the cause and the fix: logged as one line, no traceback."""
@@ -31,6 +34,7 @@ def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = Fals
         handlers=handlers,
         force=True,
     )
+    _job_handlers[:] = handlers
     logging.captureWarnings(True)
     logger = logging.getLogger(name)
     if not append and (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
@@ -44,6 +48,25 @@ def setup(log_path: str | Path | None, name: str = "eagle3", append: bool = Fals
 
     sys.excepthook = log_uncaught
     return logger
+
+
+def reattach() -> None:
+    """Give the root logger back the handlers setup() gave it, its files reopened for appending. A library that
+    takes over logging or file descriptors while it starts (vLLM's engine: a regenerate job's log file kept only
+    its first line on an H100) would otherwise leave the rule's `log:` without the rest of the job."""
+    root = logging.getLogger()
+    for handler in _job_handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.acquire()
+            try:  # a fresh stream: the old one's descriptor may have been closed or reused (closing it could
+                # close someone else's file)
+                _replaced_streams.append(handler.stream)
+                handler.mode = "a"
+                handler.stream = handler._open()
+            finally:
+                handler.release()
+        if handler not in root.handlers:
+            root.addHandler(handler)
 
 
 def format_seconds(seconds: float) -> str:

@@ -99,3 +99,18 @@ def test_a_history_too_long_for_the_engine_is_rejected_alone(vllm_engine):
     replies = engine.reply(target_prompts(engine.tokenizer)([too_long, CHATS[0]["messages"][:1]]), [0, 0])
     assert isinstance(replies[0], RequestRejected) and "exceed max_model_len" in str(replies[0])
     assert not isinstance(replies[1], RequestRejected) and replies[1].text
+
+
+def test_the_jobs_log_keeps_its_lines_after_the_engine_starts(tmp_path, target_dir):
+    """A regenerate job's `log:` file kept only its first line once vLLM had started (logs.reattach)."""
+    from eagle3_pipeline import logs
+    from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
+
+    path = tmp_path / "job.log"
+    log = logs.setup(path)
+    engine = VLLMEngine(target_dir, vllm_settings(), log)
+    try:
+        log.info("after the engine's start")
+    finally:
+        engine.close()
+    assert "engine: vLLM on" in path.read_text() and "after the engine's start" in path.read_text()

@@ -70,6 +70,7 @@ class VLLMEngine:
             from vllm.inputs import TokensPrompt
         except ImportError as exc:
             raise RuntimeError(f"{MISSING_VLLM} ({exc})") from None
+        from eagle3_pipeline import logs
         from eagle3_pipeline.runtime.target.loading import load_tokenizer
 
         self.settings, self.log = settings, log or logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class VLLMEngine:
         self.stop_ids = stop_token_ids(self.tokenizer, configured_stop_ids(target_dir, settings.trust_remote_code))
         started = time.perf_counter()
         self.llm = LLM(**engine_arguments(target_dir, settings))
+        logs.reattach()  # after vLLM 0.26.0 started (one H100), the job's log file kept only its first line
         self.log.info("engine: vLLM on %s, up to %d sequences at once, %s, %.0f %% of the GPU's memory; started in "
                       "%.1f s", target_dir, settings.batch_size, "eager" if settings.compile is False else
                       "CUDA graphs", 100 * settings.gpu_memory_utilization, time.perf_counter() - started)
