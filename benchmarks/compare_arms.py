@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-DONE_LINE = re.compile(r"regenerate: (\d+)/\d+ .*?, (\d+) tokens, ([\d,]+) tokens/s, elapsed (\S+) - done")
+DONE_LINE = re.compile(r"regenerate: (\d+)/\d+ .*?, (\d+) tokens, ([\d,]+) tokens/s, elapsed ([\d:]+), ETA \S+ - done")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -47,11 +47,14 @@ def decoded_tau(run: Path, k: int) -> dict[str, dict[str, float]]:
 
 
 def regeneration(logs: Path, run_name: str) -> dict[str, Any] | None:
-    """Generated tokens and the jobs' tokens/s (each job alone on its own clock) from regenerate's job logs."""
+    """Generated tokens and the jobs' tokens/s (each job on its own clock) from regenerate's job logs, else from the
+    run's Snakemake log that `device_run.sh arms` keeps (logs/arms/<run>.log: every job's stderr)."""
     jobs = []
-    for path in sorted((logs / run_name / "regenerate").glob("*.log")):
-        match = DONE_LINE.search(path.read_text(errors="replace"))
-        if match:
+    texts = [path.read_text(errors="replace") for path in sorted((logs / run_name / "regenerate").glob("*.log"))]
+    if not any(DONE_LINE.search(text) for text in texts) and (logs / "arms" / f"{run_name}.log").exists():
+        texts = [(logs / "arms" / f"{run_name}.log").read_text(errors="replace")]
+    for text in texts:
+        for match in DONE_LINE.finditer(text):
             jobs.append((int(match[2]), float(match[3].replace(",", "")), match[4]))
     if not jobs:
         return None
