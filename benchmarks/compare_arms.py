@@ -26,14 +26,16 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def data_figures(run: Path) -> dict[str, Any]:
     stats = read_json(run / "vocab" / "data_stats.json")
-    sequences = sum(shard["num_sequences"] for shard in stats.get("shards", {}).values())
-    return {"sequences": sequences, "tokens": stats.get("total_tokens"), "loss_tokens": stats.get("total_loss_tokens")}
+    if not stats:  # an arm that stopped before its vocabulary
+        return {}
+    sequences = sum(shard["num_sequences"] for shard in stats["shards"].values())
+    return {"sequences": sequences, "tokens": stats["total_tokens"], "loss_tokens": stats["total_loss_tokens"]}
 
 
 def heldout_kept(run: Path) -> float | None:
     estimate = read_json(run / "train" / "summary.json").get("heldout_estimate") or {}
-    kept = estimate.get("kept")
-    return float(kept[estimate["selected_by"]]) if kept else None
+    kept, key = estimate.get("kept"), estimate.get("selected_by")
+    return float(kept[key]) if kept and key in kept else None
 
 
 def decoded_tau(run: Path, k: int) -> dict[str, dict[str, float]]:
@@ -51,7 +53,7 @@ def regeneration(logs: Path, run_name: str) -> dict[str, Any] | None:
     run's Snakemake log that `device_run.sh arms` keeps (logs/arms/<run>.log: every job's stderr)."""
     jobs = []
     texts = [path.read_text(errors="replace") for path in sorted((logs / run_name / "regenerate").glob("*.log"))]
-    if not any(DONE_LINE.search(text) for text in texts) and (logs / "arms" / f"{run_name}.log").exists():
+    if not all(DONE_LINE.search(text) for text in texts) and (logs / "arms" / f"{run_name}.log").exists():
         texts = [(logs / "arms" / f"{run_name}.log").read_text(errors="replace")]
     for text in texts:
         for match in DONE_LINE.finditer(text):
@@ -78,7 +80,8 @@ def table(runs: list[Path], k: int) -> list[str]:
     head += [f"{name} chain k={k}" for name in sets] + [f"{name} lookup k={k}" for name in sets]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, data, estimate, taus in rows:
-        cells = [name, f"{data['sequences']:,}", f"{data['tokens'] or 0:,} ({data['loss_tokens'] or 0:,})",
+        cells = [name, f"{data['sequences']:,}" if data else "-",
+                 f"{data['tokens']:,} ({data['loss_tokens']:,})" if data else "-",
                  "-" if estimate is None else f"{estimate:.3f}"]
         for method in ("chain", "lookup"):
             cells += [ratio(taus.get(s, {}).get(method), control[3].get(s, {}).get(method)) for s in sets]
@@ -97,7 +100,8 @@ def main() -> None:
         regen = regeneration(args.logs, run.name)
         if regen:
             rates = ", ".join(f"{rate:,.0f}" for rate in regen["tokens_per_s"])
-            print(f"\n{run.name}: {regen['jobs']} regenerate jobs, {regen['tokens']:,} generated tokens; "
+            print(f"\n{run.name}: {regen['jobs']} regenerate jobs (the selection conversations' one too, if it finished), "
+                  f"{regen['tokens']:,} generated tokens; "
                   f"tokens/s per job: {rates}; elapsed per job: {', '.join(regen['elapsed'])}")
 
 

@@ -41,7 +41,8 @@
 #             `run:` among them names it); $COMMON's overlays follow every arm's (the session's sizes win, e.g.
 #             benchmarks/configs/gpu-smollm2-ablation-arms.yaml). Every arm runs detached, the arms' GPUs taken in
 #             turn, to its tau pass (--omit-from evaluate_timing: no arm times while another computes); the same
-#             command in the next call waits on them. GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules).
+#             command in the next call waits on them; an arm that failed stays failed (rm -r /tmp/e3-detached/<run>
+#             to retry it). GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules; 10 minutes each at most).
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
@@ -290,29 +291,33 @@ gpu_tests() {  # GPU_TESTS=1: the CUDA-only test modules ($GPU_TEST_MODULES), ea
   (for module in ${GPU_TEST_MODULES:-test_pipelined test_tree_graph test_regenerate_vllm}; do
      # not slow: the inductor-on-CPU checks run in CI (one aborted the device's pytest once, its report lost);
      # -rfE --tb=short: each failure's reason in the log
-     E3_TARGET_SOURCE=/opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+     E3_TARGET_SOURCE=/opt/e3/models/SmolLM2-135M-Instruct.Q4_1.gguf timeout 600 \
        python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE --tb=short "tests/unit/$module.py" \
        > "logs/gpu-tests/$module.txt" 2>&1
    done) &
 }
 
 run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, $COMMON after each) detached
-  local arm overlays name index=0 gpus=$((last_gpu + 1))
+  local arm overlays name index=0 gpus=$((last_gpu + 1)) pids=()
   IFS=';' read -ra arm_list <<< "${ARMS:?ARMS lists the arms, separated by ;}"
+  # --unlock clears every run's locks (one .snakemake folder): once, and only while no detached arm holds any
+  if ! ls /tmp/e3-detached/*/pid >/dev/null 2>&1; then
+    snakemake_for; "${cmd[@]}" --unlock >/dev/null 2>&1
+  fi
   for arm in "${arm_list[@]}"; do
     read -ra overlays <<< "$arm ${COMMON:-}"
     name=$(grep -h '^run:' "$example" "${overlays[@]}" | tail -1 | awk '{print $2}')
     arm_names+=("$name")
     (export CUDA_VISIBLE_DEVICES=$((index % gpus)) DETACH=1
-     if [ ! -e "/tmp/e3-detached/$name/pid" ]; then  # not while its detached run holds the locks
+     if [ ! -e "/tmp/e3-detached/$name/pid" ]; then
        snakemake_for "${overlays[@]}" --omit-from evaluate_timing
-       "${cmd[@]}" --unlock >/dev/null 2>&1
        { echo "== $name"; "${cmd[@]}" -n 2>&1 | grep -A9 "Disk plan (bytes"; } > "/tmp/e3-plan-$name.txt"
      fi
      pipeline "$name" "${overlays[@]}" --omit-from evaluate_timing) &
+    pids+=($!)
     index=$((index + 1))
   done
-  wait
+  wait "${pids[@]}"  # the arms only: the GPU tests run on in the background
   for name in "${arm_names[@]}"; do cat "/tmp/e3-plan-$name.txt" 2>/dev/null; done | tee "$out/plan.txt"
 }
 

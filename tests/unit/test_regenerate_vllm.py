@@ -101,11 +101,17 @@ def test_a_history_too_long_for_the_engine_is_rejected_alone(vllm_engine):
     assert not isinstance(replies[1], RequestRejected) and replies[1].text
 
 
-def test_the_jobs_log_keeps_its_lines_after_the_engine_starts(tmp_path, target_dir):
+def test_the_jobs_log_keeps_its_lines_after_the_engine_starts(tmp_path, target_dir, monkeypatch):
     """A regenerate job's `log:` file kept only its first line once vLLM had started (logs.reattach)."""
+    import sys
+
     from eagle3_pipeline import logs
     from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
 
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # setup's force=True closes nothing of pytest's; they come back after
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(logs, "_job_handlers", [])
     path = tmp_path / "job.log"
     log = logs.setup(path)
     engine = VLLMEngine(target_dir, vllm_settings(), log)
