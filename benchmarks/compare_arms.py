@@ -100,7 +100,7 @@ def main() -> None:
         regen = regeneration(args.logs, run.name)
         if regen:
             rates = ", ".join(f"{rate:,.0f}" for rate in regen["tokens_per_s"])
-            print(f"\n{run.name}: {regen['jobs']} regenerate jobs (the selection conversations' one too, if it finished), "
+            print(f"\n{run.name}: {regen['jobs']} regenerate jobs (with the selection's, if it finished), "
                   f"{regen['tokens']:,} generated tokens; "
                   f"tokens/s per job: {rates}; elapsed per job: {', '.join(regen['elapsed'])}")
 
