@@ -80,8 +80,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 example=config/examples/gpu-smollm2.yaml
 arm_names=()  # the arms stage's runs (keep bundles them)
 run_logs=$out  # where a run's Snakemake log goes (the arms stage: into the bundle; $OUT takes 8 files)
+run_name() {  # run_name OVERLAYS...: the run the example plus OVERLAYS names (the last `run:` among them)
+  grep -h '^run:' "$example" "$@" | tail -1 | awk '{print $2}'
+}
 read -ra second <<< "${SECOND:-benchmarks/configs/gpu-smollm2-8k.yaml}"
-second_name=$(grep -h '^run:' "$example" "${second[@]}" | tail -1 | awk '{print $2}')
+second_name=$(run_name "${second[@]}")
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
   cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-benchmarks/device-pool.yaml} "$@" --cores all --resources gpu=4
@@ -140,7 +143,7 @@ detached() {  # detached NAME: $cmd in a process session of its own (setsid), wh
 
 two_runs() {  # the first run ($FIRST overlays) and the second ($SECOND): names, locks left by a stopped call, plan
   read -ra first <<< "${FIRST:-}"
-  first_name=$(grep -h '^run:' "$example" "${first[@]}" | tail -1 | awk '{print $2}')
+  first_name=$(run_name "${first[@]}")
   for overlays in "${first[*]}" "${second[*]}"; do
     snakemake_for $overlays; "${cmd[@]}" --unlock >/dev/null 2>&1
   done
@@ -306,7 +309,7 @@ run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, 
   fi
   for arm in "${arm_list[@]}"; do
     read -ra overlays <<< "$arm ${COMMON:-}"
-    name=$(grep -h '^run:' "$example" "${overlays[@]}" | tail -1 | awk '{print $2}')
+    name=$(run_name "${overlays[@]}")
     arm_names+=("$name")
     (export CUDA_VISIBLE_DEVICES=$((index % gpus)) DETACH=1
      if [ ! -e "/tmp/e3-detached/$name/pid" ]; then
