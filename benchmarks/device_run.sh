@@ -43,6 +43,9 @@
 #             turn, to its tau pass (--omit-from evaluate_timing: no arm times while another computes); the same
 #             command in the next call waits on them; an arm that failed stays failed (rm -r /tmp/e3-detached/<run>
 #             to retry it). GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules; 10 minutes each at most).
+#             SHARED_DATA=1: arms that differ in training only: the first arm's data stage runs once, to its stores
+#             (resumable across calls), and a hard-linked copy of its run directory becomes each other arm's.
+#             BENCH_REGEN=1 as in single, on the first arm's data.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
@@ -300,8 +303,44 @@ gpu_tests() {  # GPU_TESTS=1: the CUDA-only test modules ($GPU_TEST_MODULES), ea
    done) &
 }
 
+bench_regen() {  # bench_regen RUN: BENCH_REGEN=1: eager vs compiled regeneration throughput (bench_regenerate.py,
+  # $REGEN_ARGS) on RUN's first conversation shard, in the background beside the data stage (both engines under the
+  # same load); bench_regen_result waits for it
+  [ "${BENCH_REGEN:-0}" = 1 ] && [ ! -e logs/bench-regenerate.txt ] || return 0
+  mkdir -p logs
+  (shard=results/$1/conversations/shard-00000.jsonl
+   while { [ ! -e "$shard" ] || [ ! -e "results/$1/target/identity.json" ]; } \
+         && [ $SECONDS -lt $((deadline - 200)) ]; do sleep 5; done
+   timeout $((deadline - SECONDS > 310 ? 300 : deadline - SECONDS - 10)) python3 benchmarks/bench_regenerate.py \
+     --target "results/$1/target" --conversations "$shard" \
+     ${REGEN_ARGS:---count 128 --batch 128 --max-new 256 --temperature 0.8 --compiled} \
+     > logs/bench-regenerate.txt 2>&1) &
+  regen=$!
+}
+
+bench_regen_result() {
+  [ -n "${regen:-}" ] || return 0
+  wait "$regen"; grep -v "Warning\|warn\|Loading" logs/bench-regenerate.txt | tail -6
+}
+
+shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's data stage, once, to its hidden stores;
+  # then its run directory up to the stores, hard-linked, becomes every other arm's (one copy on disk): arms that
+  # differ in training only. Returns 1 while the data stage is unfinished (the next call resumes it).
+  local first=$1 name status; shift
+  [ -d "results/${!#}" ] && return 0  # linked already (the last arm's directory is made last)
+  bench_regen "$first"
+  snakemake_for "${first_overlays[@]}"
+  # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
+  timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract >> "$run_logs/$first-data.log" 2>&1
+  status=$?; echo "shared data stage: exit $status at $SECONDS s"; tail -3 "$run_logs/$first-data.log"
+  [ $status = 0 ] || return 1
+  for name in "$@"; do
+    link_run "$first" "$name" train serving evaluation timing report reports
+  done
+}
+
 run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, $COMMON after each) detached
-  local arm overlays name index=0 gpus=$((last_gpu + 1)) pids=()
+  local arm overlays first_overlays name index=0 gpus=$((last_gpu + 1)) pids=() linked=()
   IFS=';' read -ra arm_list <<< "${ARMS:?ARMS lists the arms, separated by ;}"
   # --unlock clears every run's locks (one .snakemake folder): once, and only while no detached arm holds any
   if ! ls /tmp/e3-detached/*/pid >/dev/null 2>&1; then
@@ -309,8 +348,18 @@ run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, 
   fi
   for arm in "${arm_list[@]}"; do
     read -ra overlays <<< "$arm ${COMMON:-}"
-    name=$(run_name "${overlays[@]}")
-    arm_names+=("$name")
+    arm_names+=("$(run_name "${overlays[@]}")")
+  done
+  read -ra first_overlays <<< "${arm_list[0]} ${COMMON:-}"
+  if [ "${SHARED_DATA:-0}" = 1 ]; then
+    # the linked arms' copied files have no Snakemake metadata under their paths: judged by time stamps
+    shared_data "${arm_names[@]}" || return 0
+    linked=(--rerun-triggers mtime)
+  fi
+  for arm in "${arm_list[@]}"; do
+    read -ra overlays <<< "$arm ${COMMON:-}"
+    name=${arm_names[$index]}
+    [ $index -ge 1 ] && overlays+=(${linked[@]+"${linked[@]}"})
     (export CUDA_VISIBLE_DEVICES=$((index % gpus)) DETACH=1
      if [ ! -e "/tmp/e3-detached/$name/pid" ]; then
        snakemake_for "${overlays[@]}" --omit-from evaluate_timing
@@ -349,19 +398,7 @@ case $stage in
        echo "vllm smoke exit $?" >> logs/vllm-smoke.txt) &
       smoke=$!
     fi
-    # BENCH_REGEN=1: eager vs compiled regeneration throughput (bench_regenerate.py, $REGEN_ARGS) on the run's
-    # first conversation shard, beside the data stage (both arms under the same load)
-    if [ "${BENCH_REGEN:-0}" = 1 ] && [ ! -e logs/bench-regenerate.txt ]; then
-      mkdir -p logs
-      (shard=results/$second_name/conversations/shard-00000.jsonl
-       while { [ ! -e "$shard" ] || [ ! -e "results/$second_name/target/identity.json" ]; } \
-             && [ $SECONDS -lt $((deadline - 200)) ]; do sleep 5; done
-       timeout $((deadline - SECONDS > 310 ? 300 : deadline - SECONDS - 10)) python3 benchmarks/bench_regenerate.py \
-         --target "results/$second_name/target" --conversations "$shard" \
-         ${REGEN_ARGS:---count 128 --batch 128 --max-new 256 --temperature 0.8 --compiled} \
-         > logs/bench-regenerate.txt 2>&1) &
-      regen=$!
-    fi
+    bench_regen "$second_name"
     [ "${WARM_COMPILE:-0}" = 1 ] && warm_compile
     snakemake_for "${second[@]}"
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
@@ -370,7 +407,7 @@ case $stage in
     fi
     pipeline "$second_name" "${second[@]}"
     [ -n "${smoke:-}" ] && { wait "$smoke"; grep -v "Warning\|warn" logs/vllm-smoke.txt | tail -25; }
-    [ -n "${regen:-}" ] && { wait "$regen"; grep -v "Warning\|warn\|Loading" logs/bench-regenerate.txt | tail -6; }
+    bench_regen_result
     # BENCH_DECODE=1: bench_decode.py once the run is done, alone on the GPU, when the call has time left
     [ "${BENCH_DECODE:-0}" = 1 ] && [ -e "$out/$second_name-report.html" ] && [ $((deadline - SECONDS)) -gt 150 ] \
       && bench_decode $((deadline - SECONDS - 20))
@@ -414,6 +451,7 @@ case $stage in
     run_logs=logs/arms REPORT=0; mkdir -p $run_logs  # four arms' logs and reports would overflow $OUT's 8 files
     gpu_tests
     run_arms
+    bench_regen_result
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &

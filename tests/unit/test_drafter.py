@@ -139,6 +139,17 @@ def test_step_metrics_on_a_hand_made_case():
     assert math.isclose(float(metrics["loss"]), expected_loss, rel_tol=1e-5)
 
 
+def test_a_cooler_teacher_sharpens_towards_the_same_argmax():
+    torch.manual_seed(0)
+    head, draft_ids, last = torch.randn(100, 32), torch.arange(40), torch.randn(2, 5, 32)
+    plain, in_draft = Teacher(head, draft_ids)(last)
+    sharp, sharp_in_draft = Teacher(head, draft_ids, temperature=0.5)(last)
+    assert torch.equal(plain.argmax(-1), sharp.argmax(-1)) and torch.equal(in_draft, sharp_in_draft)
+    # softmax(z / 0.5) is softmax(z) squared, renormalised
+    torch.testing.assert_close(sharp, plain ** 2 / (plain ** 2).sum(-1, keepdim=True))
+    assert bool((sharp.max(-1).values > plain.max(-1).values).all())
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     return tiny_target_with_store(tmp_path_factory.mktemp("tiny"))

@@ -64,15 +64,18 @@ class Teacher:
 
     Only the draft vocabulary's rows make logits that are kept ([B, T, K]); the full-vocabulary argmax runs over
     chunks (`target_argmax`). `softcap` is the target's `final_logit_softcapping` (Gemma 2): the target's
-    distribution is the softmax of its softcapped logits, so the teacher's is too."""
+    distribution is the softmax of its softcapped logits, so the teacher's is too. `temperature` below 1 sharpens
+    the teacher towards its argmax (`train.teacher_temperature`): greedy verification accepts only the argmax, and
+    a drafter too small to match the whole distribution then spends less of itself on the tail."""
 
     def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, softcap: float | None = None,
-                 chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+                 chunk_elements: int = LOGIT_CHUNK_ELEMENTS, temperature: float = 1.0):
         self.lm_head = lm_head  # [V, H]
         self.chunk_elements = chunk_elements
         self.draft_ids = draft_ids  # [K]
         self.draft_head = lm_head[draft_ids]  # [K, H]
         self.softcap = softcap
+        self.temperature = temperature
         self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
         self.in_draft[draft_ids] = True
 
@@ -81,7 +84,7 @@ class Teacher:
         last = last.to(self.lm_head.dtype)
         argmax_in_draft = self.in_draft[target_argmax(last, self.lm_head, self.chunk_elements)]
         logits = softcapped((last @ self.draft_head.T).float(), self.softcap)  # [B,T,K]
-        return torch.softmax(logits, dim=-1), argmax_in_draft
+        return torch.softmax(logits / self.temperature, dim=-1), argmax_in_draft
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,

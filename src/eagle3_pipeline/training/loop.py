@@ -58,12 +58,14 @@ def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], 
     return model
 
 
-def build_teacher(target_dir: Path, model: Drafter, device: torch.device) -> Teacher:
-    """The target's lm_head over the drafter's vocab, softcapped as the target softcaps its logits (Gemma 2)."""
+def build_teacher(target_dir: Path, model: Drafter, device: torch.device, temperature: float = 1.0) -> Teacher:
+    """The target's lm_head over the drafter's vocab, softcapped as the target softcaps its logits (Gemma 2), at
+    `train.teacher_temperature`."""
     _, lm_head = read_head(target_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=device))
-    return Teacher(lm_head.to(device, dtype), draft_ids, final_logit_softcap(read_config(target_dir)))
+    return Teacher(lm_head.to(device, dtype), draft_ids, final_logit_softcap(read_config(target_dir)),
+                   temperature=temperature)
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
@@ -141,7 +143,7 @@ def set_up(data: TrainingData, target_dir: Path, vocab_path: Path, state_dir: Pa
     model = build_drafter(target_dir, vocab_path, data.aux_layer_ids, settings.seed,
                           settings.drafter_intermediate_size).to(device)
     attention = choose_ttt_attention(settings.attention, device, log)
-    teacher = build_teacher(target_dir, model, device)
+    teacher = build_teacher(target_dir, model, device, settings.teacher_temperature)
     schedule = data.schedule
     steps_total = len(schedule) // world
     if settings.max_steps:

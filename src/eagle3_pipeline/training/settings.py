@@ -28,6 +28,7 @@ class TrainSettings:
     attention: str  # TTT attention: "flex" (fused kernel, GPU), "eager" (explicit scores); auto = flex on GPU
     compile: str | bool  # torch.compile the loss: "on", "off"; auto = on GPU
     feature_noise: float  # Gaussian noise on the aux features, relative to each row's RMS
+    teacher_temperature: float  # the teacher's softmax temperature: below 1 sharpens it towards its argmax
     heldout_select_k: int  # keep the weights with the best offline tau at this draft length
     pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
     drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
