@@ -62,6 +62,9 @@ def main() -> None:
                         help="compare the eager engine with the compiled one (its compile time excluded)")
     parser.add_argument("--vllm", action="store_true",
                         help="compare the HF engine (compiled with --compiled) with vLLM's offline engine")
+    parser.add_argument("--kv-cache-gb", type=float, default=8.0,
+                        help="vLLM's KV cache in GiB (regenerate.kv_cache_gb): a fixed size, not one profiled while "
+                             "other jobs on the GPU take or free memory, which stops vLLM's start")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
@@ -89,7 +92,8 @@ def main() -> None:
         from eagle3_pipeline.runtime.generation.vllm_local import VLLMEngine
 
         hf = "compiled" if args.compiled else "eager"
-        served = dataclasses.replace(arm, engine="vllm", device="auto", compile=args.compiled)
+        served = dataclasses.replace(arm, engine="vllm", device="auto", compile=args.compiled,
+                                     kv_cache_gb=args.kv_cache_gb)
         engines["vllm"] = VLLMEngine(args.target, served, log)
         arms = [(hf, arm, True), ("vllm", served, True)]
     for name, warm in engines.items():  # warm-up: a history per static cache size (each compiles once)
