@@ -44,8 +44,9 @@
 #             command in the next call waits on them; an arm that failed stays failed (rm -r /tmp/e3-detached/<run>
 #             to retry it). GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules; 10 minutes each at most).
 #             SHARED_DATA=1: arms that differ in training only: the first arm's data stage runs once, to its stores
-#             (resumable across calls), and a hard-linked copy of its run directory becomes each other arm's.
-#             BENCH_REGEN=1 as in single, on the first arm's data.
+#             (resumable across calls), and a hard-linked copy of its run directory becomes each other arm's. Nothing
+#             checks that the arms' data, vocab and extract settings agree: an arm that changes them trains on the
+#             first arm's stores all the same. BENCH_REGEN=1: as in single, on the first arm's data.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
@@ -326,9 +327,9 @@ bench_regen_result() {
 shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's data stage, once, to its hidden stores;
   # then its run directory up to the stores, hard-linked, becomes every other arm's (one copy on disk): arms that
   # differ in training only. Returns 1 while the data stage is unfinished (the next call resumes it).
-  local first=$1 name status; shift
-  [ -d "results/${!#}" ] && return 0  # linked already (the last arm's directory is made last)
-  bench_regen "$first"
+  local first=$1 name status linked=results/$1/.shared-data-linked; shift
+  [ $# -ge 1 ] || { echo "SHARED_DATA=1 needs two arms or more"; return 1; }
+  [ -e "$linked" ] && return 0  # a kill while linking leaves no stamp: linking again over the same links is harmless
   snakemake_for "${first_overlays[@]}"
   # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
   timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract >> "$run_logs/$first-data.log" 2>&1
@@ -337,6 +338,7 @@ shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's da
   for name in "$@"; do
     link_run "$first" "$name" train serving evaluation timing report reports
   done
+  touch "$linked"
 }
 
 run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, $COMMON after each) detached
@@ -351,6 +353,7 @@ run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, 
     arm_names+=("$(run_name "${overlays[@]}")")
   done
   read -ra first_overlays <<< "${arm_list[0]} ${COMMON:-}"
+  bench_regen "${arm_names[0]}"
   if [ "${SHARED_DATA:-0}" = 1 ]; then
     # the linked arms' copied files have no Snakemake metadata under their paths: judged by time stamps
     shared_data "${arm_names[@]}" || return 0

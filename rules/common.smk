@@ -63,10 +63,12 @@ SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
 
 def job_settings(section):
     """A config section as a rule's params, less `threads` and its SIZE_ONLY keys: changing a job's size must not
-    rerun it (hours of extraction or training), which Snakemake's params trigger would. Params are only that
+    rerun it (hours of extraction or training), which Snakemake's params trigger would; nor must a train setting
+    added since a run was trained, at the value that trains as before (TrainSettings.NEUTRAL). Params are only that
     trigger: the jobs read the whole section from the config."""
     return {key: value for key, value in config[section].items()
-            if key != "threads" and key not in SIZE_ONLY.get(section, ())}
+            if key != "threads" and key not in SIZE_ONLY.get(section, ())
+            and (section != "train" or TrainSettings.shapes_weights(key, value))}
 
 
 def tokenize_input(wildcards):

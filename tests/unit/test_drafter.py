@@ -148,6 +148,9 @@ def test_a_cooler_teacher_sharpens_towards_the_same_argmax():
     # softmax(z / 0.5) is softmax(z) squared, renormalised
     torch.testing.assert_close(sharp, plain ** 2 / (plain ** 2).sum(-1, keepdim=True))
     assert bool((sharp.max(-1).values > plain.max(-1).values).all())
+    capped = Teacher(head, draft_ids, softcap=5.0, temperature=0.5)(last)[0]  # the cap first, as the target's logits
+    logits = 5.0 * torch.tanh((last @ head[draft_ids].T) / 5.0)
+    torch.testing.assert_close(capped, torch.softmax(logits / 0.5, dim=-1))
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +231,10 @@ def test_the_fingerprint_names_changed_stores_vocab_and_target(tiny_run, tmp_pat
     assert fingerprint_changes(base, run_fingerprint([store, other_store], target_dir, vocab_path, settings(), 1)) \
         == ["hidden stores: 1 -> 2"]
     assert fingerprint_changes(None, base) == ["no fingerprint recorded (written by an older version)"]
+    # a setting added since a checkpoint was written, at the value that trains as before, is no change to it
+    assert "teacher_temperature" not in base["settings"]
+    assert fingerprint_changes(base, run_fingerprint([store], target_dir, vocab_path, settings(teacher_temperature=0.5),
+                                                     1)) == ["train.teacher_temperature: None -> 0.5"]
 
 
 def test_a_data_error_in_a_loader_worker_is_one_line():

@@ -17,9 +17,10 @@ from tests.unit.conftest import CHATS, regeneration_settings, target_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs a CUDA GPU and the vllm package")
-# torch.cuda.is_available() above (and the fp32 scorer below) initialise CUDA in this process, after which a forked
-# engine process cannot use it ("Cannot re-initialize CUDA in forked subprocess", one H100, 2026-12-05): vLLM's
-# engine process is spawned instead. A pipeline job does not touch CUDA before the engine starts, so it may fork.
+# torch.cuda.is_available() above leaves a forked child unable to use CUDA without torch.cuda.is_initialized()
+# turning true, so vLLM's own check does not switch to spawn and its forked engine process failed ("Cannot
+# re-initialize CUDA in forked subprocess", one H100, 2026-12-05); the fp32 scorer below initialises CUDA outright.
+# The engine process is spawned. A pipeline job does not touch CUDA before the engine starts, so it may fork.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 LOG = logging.getLogger("test")
 

@@ -53,7 +53,7 @@ def run_fingerprint(store_paths: list[Path], target_dir: Path, vocab_path: Path,
     """Everything that decides the trained weights: the settings that change them, the world size, each
     hidden store's content identity, the draft vocab's and the target's content hashes."""
     fingerprint = {
-        "settings": {k: v for k, v in asdict(settings).items() if k not in TrainSettings.SIZE_ONLY},
+        "settings": {k: v for k, v in asdict(settings).items() if TrainSettings.shapes_weights(k, v)},
         "world_size": world_size,
         "stores": [{"name": Path(p).name, "identity": hidden_store.identity(p)} for p in store_paths],
         "draft_vocab": draft_vocab.identity(Path(vocab_path)),

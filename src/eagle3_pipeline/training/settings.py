@@ -39,3 +39,11 @@ class TrainSettings:
     # settings that size or report the run but leave the weights as they are: not in the resume fingerprint, nor in
     # the rule's params (changing them must not retrain)
     SIZE_ONLY: ClassVar[frozenset[str]] = frozenset({"log_every", "checkpoint_every", "num_workers"})
+    # settings added after runs were trained, at the value that trains as before: left out of the rule's params and
+    # the resume fingerprint at that value, so such a run neither retrains nor loses its checkpoint
+    NEUTRAL: ClassVar[dict[str, float]] = {"teacher_temperature": 1.0}
+
+    @classmethod
+    def shapes_weights(cls, key: str, value: object) -> bool:
+        """Whether `key` at `value` belongs in the resume fingerprint and the rule's params."""
+        return key not in cls.SIZE_ONLY and not (key in cls.NEUTRAL and cls.NEUTRAL[key] == value)
