@@ -32,10 +32,16 @@ def data_figures(run: Path) -> dict[str, Any]:
     return {"sequences": sequences, "tokens": stats["total_tokens"], "loss_tokens": stats["total_loss_tokens"]}
 
 
-def heldout_kept(run: Path) -> float | None:
+def heldout_by_epoch(run: Path) -> str:
+    """The held-out estimate after each epoch at the draft length that selects the kept weights, the kept one in
+    bold: whether an arm's lead grows or fades with training shows here, not in the kept figure alone."""
     estimate = read_json(run / "train" / "summary.json").get("heldout_estimate") or {}
-    kept, key = estimate.get("kept"), estimate.get("selected_by")
-    return float(kept[key]) if kept and key in kept else None
+    kept, key = estimate.get("kept") or {}, estimate.get("selected_by")
+    epochs = [row for row in estimate.get("by_epoch", []) if key in row]
+    if not epochs:
+        return "-"
+    return " / ".join(f"**{row[key]:.3f}**" if row.get("step") == kept.get("step") else f"{row[key]:.3f}"
+                      for row in epochs)
 
 
 def decoded_tau(run: Path, k: int) -> dict[str, dict[str, float]]:
@@ -73,16 +79,16 @@ def ratio(value: float | None, control: float | None) -> str:
 
 
 def table(runs: list[Path], k: int) -> list[str]:
-    rows = [(run.name, data_figures(run), heldout_kept(run), decoded_tau(run, k)) for run in runs]
+    rows = [(run.name, data_figures(run), heldout_by_epoch(run), decoded_tau(run, k)) for run in runs]
     control = rows[0]
     sets = sorted({name for row in rows for name in row[3]})
-    head = ["arm", "sequences", "tokens (loss)", "held-out estimate (own text)"]
+    head = ["arm", "sequences", "tokens (loss)", "held-out estimate by epoch (own text; kept in bold)"]
     head += [f"{name} chain k={k}" for name in sets] + [f"{name} lookup k={k}" for name in sets]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, data, estimate, taus in rows:
         cells = [name, f"{data['sequences']:,}" if data else "-",
                  f"{data['tokens']:,} ({data['loss_tokens']:,})" if data else "-",
-                 "-" if estimate is None else f"{estimate:.3f}"]
+                 estimate]
         for method in ("chain", "lookup"):
             cells += [ratio(taus.get(s, {}).get(method), control[3].get(s, {}).get(method)) for s in sets]
         lines.append("| " + " | ".join(cells) + " |")
