@@ -335,8 +335,8 @@ shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's da
   timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract >> "$run_logs/$first-data.log" 2>&1
   status=$?; echo "shared data stage: exit $status at $SECONDS s"; tail -3 "$run_logs/$first-data.log"
   [ $status = 0 ] || return 1
-  for name in "$@"; do
-    link_run "$first" "$name" train serving evaluation timing report reports
+  for name in "$@"; do  # each arm builds its own draft vocabulary (seconds; an arm may change its size)
+    link_run "$first" "$name" vocab train serving evaluation timing report reports
   done
   touch "$linked"
 }

@@ -14,6 +14,7 @@ from eagle3_pipeline.runtime.decode import TargetRuntime
 from eagle3_pipeline.runtime.proposers import EagleChain, PromptLookup, TargetAlone
 from eagle3_pipeline.runtime.speculative import Trace, acceptance_by_position, summarise, timing_summary
 from eagle3_pipeline.runtime.target.loading import load_model, load_tokenizer
+from eagle3_pipeline.runtime.traces import vocabulary_stops
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import evaluate, evaluate_timing
 from tests.unit.conftest import smollm2_serving_dir
@@ -34,6 +35,20 @@ def test_tau_and_acceptance_by_position_on_a_hand_made_trace():
     assert speed["speedup_vs_target"] == pytest.approx(2.0)
     assert speed["draft_ms_per_step"] == pytest.approx(50.0) and speed["verify_ms_per_step"] == pytest.approx(150.0)
     assert speed["prompt_draft_ms_per_prompt"] == pytest.approx(80.0)
+
+
+def test_vocabulary_stops_count_the_steps_rejected_at_a_token_no_draft_could_propose():
+    # prefill token 0; steps: accepted 1 of 2 (rejected at token 5), 2 of 2 (no rejection; the target's token 2
+    # follows), 0 of 2 (rejected at token 7), 0 of 2 with its tokens cut (its rejected token is not in the trace)
+    trace = Trace("p", "eagle3@k=2", tokens=[0, 4, 5, 6, 3, 2, 7], accepted=[1, 2, 0, 0], drafted=[2, 2, 2, 2])
+    in_draft = [True] * 8
+    assert vocabulary_stops([trace], in_draft) == 0.0
+    in_draft[5] = False
+    assert vocabulary_stops([trace], in_draft) == 1 / 4
+    in_draft[7] = False
+    assert vocabulary_stops([trace], in_draft) == 2 / 4
+    in_draft[2] = False  # after a step that accepted every draft: no draft was rejected there
+    assert vocabulary_stops([trace], in_draft) == 2 / 4
 
 
 def test_worker_processes_take_each_prompt_exactly_once(tmp_path):
@@ -222,6 +237,9 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
         diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
         assert result["summary"][method]["diverged_share"] == len(diverged) / 2
         assert set(result["summary"][method]["first_divergence"]) == diverged
+    assert all(0 <= result["summary"][m]["vocabulary_stops"] <= 1
+               for m in ("eagle3@k=3", "eagle3-tree(steps=2,topk=2,tokens=4)"))
+    assert "vocabulary_stops" not in result["summary"]["prompt-lookup@k=3"]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Evaluation reports: `evaluation/<prompt set>.json` (the tau pass, rule `evaluate`), `timing/timing.json` (the timing
 pass, rule `evaluate_timing`) and the report's `report/tau_and_speedup.csv` (rule `plots`).
 
-Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...}}, the
+Results JSON (indent 2): `summary` {method: {tau, prompts, acceptance_by_position, diverged_share, ...; EAGLE-3
+methods also vocabulary_stops: the share of verify steps stopped at a target token outside the draft vocabulary}}, the
 per-prompt traces, settings, `prompt_file`. Timing JSON: `sets` {prompt set: {method: {tokens_per_s,
 speedup_vs_target, draft_ms_per_step, verify_ms_per_step, prompt_draft_ms_per_prompt, prompts, loop}}} (loop
 "device": the device-resident loop, whose draft/verify ms are device time; prompt_draft_ms_per_prompt: of the

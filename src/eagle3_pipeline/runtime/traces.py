@@ -39,6 +39,23 @@ def acceptance_length(traces: list[Trace]) -> float:
     return 1 + sum(sum(trace.accepted) for trace in traces) / steps if steps else 1.0
 
 
+def vocabulary_stops(traces: list[Trace], in_draft: list[bool]) -> float:
+    """The share of verify steps whose drafts stopped at a token outside the draft vocabulary (`in_draft`, by target
+    id): no draft could have proposed the target's token there, however good the drafter; only a larger
+    `vocab.draft_vocab_size` lets such a step go on. A trace's first token is the prefill's; each step then adds
+    its accepted drafts and the target's own token, where a step that stopped short of its drafts was rejected."""
+    steps = stopped = 0
+    for trace in traces:
+        position = 1
+        for accepted, drafted in zip(trace.accepted, trace.drafted, strict=True):
+            rejected_at = position + accepted
+            if accepted < drafted and rejected_at < len(trace.tokens):  # (a last step's tokens may be cut)
+                stopped += not in_draft[trace.tokens[rejected_at]]
+            steps += 1
+            position = rejected_at + 1
+    return stopped / max(steps, 1)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

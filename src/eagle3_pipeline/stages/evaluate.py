@@ -25,9 +25,10 @@ from eagle3_pipeline.formats import evaluation, jobs, journal
 from eagle3_pipeline.formats import serving_dir as serving_dir_format
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime.drafting import load_models
-from eagle3_pipeline.runtime.methods import TreeSetting, parse_settings
+from eagle3_pipeline.runtime.methods import Method, TreeSetting, parse_settings
 from eagle3_pipeline.runtime.speculative import Trace, decode_all, summarise_methods
 from eagle3_pipeline.runtime.target.devices import pick_device
+from eagle3_pipeline.runtime.traces import vocabulary_stops
 from eagle3_pipeline.settings import from_section, setting
 
 
@@ -186,9 +187,22 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
     for prompt in prompts:
         for method, trace in finished[prompt.prompt_id].items():
             by_method.setdefault(method, []).append(trace)
-    return {"pass": "tau", "about": TAU_PASS_ABOUT, "summary": summarise_methods(by_method, log),
+    summary = summarise_methods(by_method, log)
+    add_vocabulary_stops(summary, by_method, serving_dir, log)
+    return {"pass": "tau", "about": TAU_PASS_ABOUT, "summary": summary,
             "workers": max(workers, 1), "device": pick_device(settings.device),
             "traces": [asdict(t) | {"tau": t.tau} for traces in by_method.values() for t in traces]}
+
+
+def add_vocabulary_stops(summary: dict[str, Any], by_method: dict[str, list[Trace]], serving_dir: Path,
+                         log: Any) -> None:
+    """Each EAGLE-3 method's share of verify steps stopped by the draft vocabulary (`vocabulary_stops`)."""
+    in_draft = serving_dir_format.read(serving_dir)[1]["t2d"].tolist()
+    for method, traces in by_method.items():
+        if Method.parse(method).proposer.startswith("eagle3"):
+            share = summary[method]["vocabulary_stops"] = vocabulary_stops(traces, in_draft)
+            log.info("%s: %.1f %% of verify steps stopped at a target token outside the draft vocabulary", method,
+                     100 * share)
 
 
 TAU_PASS_ABOUT = ("tau pass: tau, acceptance by position and divergence from every prompt, decoded by parallel "
