@@ -43,10 +43,11 @@
 #             turn, to its tau pass (--omit-from evaluate_timing: no arm times while another computes); the same
 #             command in the next call waits on them; an arm that failed stays failed (rm -r /tmp/e3-detached/<run>
 #             to retry it). GPU_TESTS=1 as in single ($GPU_TEST_MODULES picks modules; 10 minutes each at most).
-#             SHARED_DATA=1: arms that differ in training only: the first arm's data stage runs once, to its stores
-#             (resumable across calls), and a hard-linked copy of its run directory becomes each other arm's. Nothing
-#             checks that the arms' data, vocab and extract settings agree: an arm that changes them trains on the
-#             first arm's stores all the same. BENCH_REGEN=1: as in single, on the first arm's data.
+#             SHARED_DATA=1: arms that differ in training or draft vocabulary only: the first arm's data stage runs
+#             once, to its stores (resumable across calls), and a hard-linked copy of its run directory up to the
+#             stores becomes each other arm's; each arm builds its own vocabulary. Nothing checks that the arms'
+#             data and extract settings agree: an arm that changes them trains on the first arm's stores all the
+#             same. BENCH_REGEN=1: as in single, on the first arm's data.
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
@@ -326,7 +327,7 @@ bench_regen_result() {
 
 shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's data stage, once, to its hidden stores;
   # then its run directory up to the stores, hard-linked, becomes every other arm's (one copy on disk): arms that
-  # differ in training only. Returns 1 while the data stage is unfinished (the next call resumes it).
+  # differ in training or in their draft vocabulary only. Returns 1 while the data stage is unfinished (the next call resumes it).
   local first=$1 name status linked=results/$1/.shared-data-linked; shift
   [ $# -ge 1 ] || { echo "SHARED_DATA=1 needs two arms or more"; return 1; }
   [ -e "$linked" ] && return 0  # a kill while linking leaves no stamp: linking again over the same links is harmless

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eagle3_pipeline.config_schema import schema_defaults
+from eagle3_pipeline.formats import serving_dir as serving_dir_format
 from eagle3_pipeline.prompts import Prompt, load_prompts
 from eagle3_pipeline.runtime import drafting, speculative
 from eagle3_pipeline.runtime.decode import TargetRuntime
@@ -237,8 +238,11 @@ def test_a_bfloat16_evaluation_completes_and_reports_its_divergence(target_dir, 
         diverged = {p.prompt_id for p in prompts if tokens[p.prompt_id, method] != tokens[p.prompt_id, "target"]}
         assert result["summary"][method]["diverged_share"] == len(diverged) / 2
         assert set(result["summary"][method]["first_divergence"]) == diverged
-    assert all(0 <= result["summary"][m]["vocabulary_stops"] <= 1
-               for m in ("eagle3@k=3", "eagle3-tree(steps=2,topk=2,tokens=4)"))
+    in_draft = serving_dir_format.draft_vocabulary_mask(serving)
+    for method in ("eagle3@k=3", "eagle3-tree(steps=2,topk=2,tokens=4)"):
+        traces = [Trace(**{k: v for k, v in t.items() if k != "tau"}) for t in result["traces"]
+                  if t["method"] == method]
+        assert result["summary"][method]["vocabulary_stops"] == vocabulary_stops(traces, in_draft)
     assert "vocabulary_stops" not in result["summary"]["prompt-lookup@k=3"]
 
 

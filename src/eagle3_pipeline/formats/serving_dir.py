@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.formats.atomic import atomic_dir
@@ -56,6 +56,13 @@ def read(serving_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json as a dict, the weights)."""
     config = json.loads((Path(serving_dir) / CONFIG_FILE).read_text())
     return config, load_file(str(Path(serving_dir) / WEIGHTS_FILE))
+
+
+def draft_vocabulary_mask(serving_dir: Path) -> list[bool]:
+    """`t2d` alone, as a list by target id (whether each target token is in the draft vocabulary), without loading
+    the other weights."""
+    with safe_open(str(Path(serving_dir) / WEIGHTS_FILE), "pt") as weights:
+        return weights.get_tensor("t2d").tolist()
 
 
 def validate(serving_dir: Path) -> dict[str, Any]:

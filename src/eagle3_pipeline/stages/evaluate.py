@@ -197,9 +197,9 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
 def add_vocabulary_stops(summary: dict[str, Any], by_method: dict[str, list[Trace]], serving_dir: Path,
                          log: Any) -> None:
     """Each EAGLE-3 method's share of verify steps stopped by the draft vocabulary (`vocabulary_stops`)."""
-    in_draft = serving_dir_format.read(serving_dir)[1]["t2d"].tolist()
+    in_draft = serving_dir_format.draft_vocabulary_mask(serving_dir)
     for method, traces in by_method.items():
-        if Method.parse(method).proposer.startswith("eagle3"):
+        if Method.parse(method).drafter:
             share = summary[method]["vocabulary_stops"] = vocabulary_stops(traces, in_draft)
             log.info("%s: %.1f %% of verify steps stopped at a target token outside the draft vocabulary", method,
                      100 * share)
