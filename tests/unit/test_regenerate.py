@@ -227,6 +227,11 @@ def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path,
     sampling = regeneration_settings(temperature=0.5)
     assert regenerate.fingerprint(shard, dataclasses.replace(sampling, samples=2), "t") != \
         regenerate.fingerprint(shard, sampling, "t")  # samples change the output: no resume across them
+    assert regenerate.fingerprint(shard, dataclasses.replace(sampling, dtype="float32"), "t") != \
+        regenerate.fingerprint(shard, dataclasses.replace(sampling, dtype="bfloat16"), "t")  # nor across precisions
+    # auto counts as before dtype did (journals from then stay resumable); the server engine's precision is its own
+    assert "dtype" not in dataclasses.replace(sampling, dtype="auto").output_defining()
+    assert "dtype" not in dataclasses.replace(sampling, engine="openai").output_defining()
     assert conversation_shards.read(output)[1]["messages"][-1]["content"] != "RESUMED"
 
 

@@ -50,6 +50,8 @@ class Settings:
         keys = ["engine", "max_new_tokens", "temperature", "top_p", "thinking", "max_context_tokens", "seed", "model"]
         if self.samples != 1:  # only when set: a journal written before the setting existed stays resumable
             keys.append("samples")
+        if self.engine != "openai" and self.dtype != "auto":  # the in-job engines' precision rounds near ties
+            keys.append("dtype")  # another way (auto: as before dtype counted, so such journals stay resumable)
         if self.drop_repetitive:
             keys += ["drop_repetitive", "repetition_threshold"]
         defining = {key: getattr(self, key) for key in keys}
