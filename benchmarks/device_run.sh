@@ -325,13 +325,14 @@ bench_regen_result() {
   wait "$regen"; grep -v "Warning\|warn\|Loading" logs/bench-regenerate.txt | tail -6
 }
 
-shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's data stage, once, to its hidden stores;
-  # then its run directory up to the stores, hard-linked, becomes every other arm's (one copy on disk): arms that
-  # differ in training or in their draft vocabulary only. Returns 1 while the data stage is unfinished (the next call resumes it).
+shared_data() {  # shared_data NAME...: the first run's data stage ($data_overlays), once, to its hidden stores; then
+  # its run directory up to the stores, hard-linked, becomes every other run's (one copy on disk): runs that differ in
+  # training or in their draft vocabulary only (pair; arms with SHARED_DATA=1). Returns 1 while the data stage is
+  # unfinished (the next call resumes it).
   local first=$1 name status linked=results/$1/.shared-data-linked; shift
   [ $# -ge 1 ] || { echo "SHARED_DATA=1 needs two arms or more"; return 1; }
   [ -e "$linked" ] && return 0  # a kill while linking leaves no stamp: linking again over the same links is harmless
-  snakemake_for "${first_overlays[@]}"
+  snakemake_for "${data_overlays[@]}"
   # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
   timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract >> "$run_logs/$first-data.log" 2>&1
   status=$?; echo "shared data stage: exit $status at $SECONDS s"; tail -3 "$run_logs/$first-data.log"
@@ -343,7 +344,7 @@ shared_data() {  # shared_data NAME...: SHARED_DATA=1 (arms): the first arm's da
 }
 
 run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, $COMMON after each) detached
-  local arm overlays first_overlays name index=0 gpus=$((last_gpu + 1)) pids=() linked=()
+  local arm overlays data_overlays name index=0 gpus=$((last_gpu + 1)) pids=() linked=()
   IFS=';' read -ra arm_list <<< "${ARMS:?ARMS lists the arms, separated by ;}"
   # --unlock clears every run's locks (one .snakemake folder): once, and only while no detached arm holds any
   if ! ls /tmp/e3-detached/*/pid >/dev/null 2>&1; then
@@ -353,7 +354,7 @@ run_arms() {  # the arms stage: each arm of $ARMS (';'-separated overlay lists, 
     read -ra overlays <<< "$arm ${COMMON:-}"
     arm_names+=("$(run_name "${overlays[@]}")")
   done
-  read -ra first_overlays <<< "${arm_list[0]} ${COMMON:-}"
+  read -ra data_overlays <<< "${arm_list[0]} ${COMMON:-}"
   bench_regen "${arm_names[0]}"
   if [ "${SHARED_DATA:-0}" = 1 ]; then
     # the linked arms' copied files have no Snakemake metadata under their paths: judged by time stamps
@@ -421,19 +422,15 @@ case $stage in
     ;;
   pair)
     two_runs
-    if [ ! -d "results/$second_name" ]; then  # the shared data stage, once
+    linked=results/$first_name/.shared-data-linked
+    if [ ! -e "$linked" ]; then  # the shared data stage, once
       # BENCH_DECODE=1: the evaluator's decode speeds (bf16) on the other GPU while the data stage runs
       [ "${BENCH_DECODE:-0}" = 1 ] && (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_decode 300 > /dev/null) &
-      # --until extract: the stores (disk_report waits for the whole DAG); exit 0 once every store exists
-      (export CUDA_VISIBLE_DEVICES=0; timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" --until extract \
-        >> "$out/$first_name.log" 2>&1)
-      status=$?; echo "data stage: exit $status at $SECONDS s"; tail -3 "$out/$first_name.log"
+      data_overlays=("${first[@]}")
+      (export CUDA_VISIBLE_DEVICES=0; shared_data "$first_name" "$second_name")
       wait; grep -v Warning "$out/bench_decode.txt" 2>/dev/null | tail -8
-      if [ $status = 0 ]; then
-        link_run "$first_name" "$second_name" train serving evaluation timing report reports  # up to the stores
-      fi
     fi
-    if [ -d "results/$second_name" ]; then
+    if [ -e "$linked" ]; then
       (export CUDA_VISIBLE_DEVICES=0; pipeline "$first_name" "${first[@]}") &
       # the copied files have no Snakemake metadata under the second run's paths: judge them by time stamps
       (export CUDA_VISIBLE_DEVICES=$last_gpu; pipeline "$second_name" "${second[@]}" --rerun-triggers mtime) &
