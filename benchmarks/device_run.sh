@@ -338,7 +338,7 @@ shared_data() {  # shared_data NAME...: the first run's data stage ($data_overla
   status=$?; echo "shared data stage: exit $status at $SECONDS s"; tail -3 "$run_logs/$first-data.log"
   [ $status = 0 ] || return 1
   for name in "$@"; do  # each arm builds its own draft vocabulary (seconds; an arm may change its size)
-    link_run "$first" "$name" vocab train serving evaluation timing report reports
+    link_run "$first" "$name" vocab train train_state serving evaluation timing report reports engine_check
   done
   touch "$linked"
 }
