@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--drafter-intermediate-size", type=int,
                         help="the untrained drafter's MLP width (train.drafter_intermediate_size; default the "
                              "target's): a run's shape, so that this run's compiled kernels serve its timing pass")
+    parser.add_argument("--draft-vocab", type=int, default=32768,
+                        help="the untrained drafter's draft vocabulary (vocab.draft_vocab_size; default the GPU "
+                             "example's)")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "long-cache"], help="eager alone is a CPU smoke run")
     parser.add_argument("--long-cache", type=int, default=4096, help="slots of the long-cache mode's one cache")
@@ -242,7 +245,7 @@ def bench_mode(mode: str, target_dir: Path, tokenizer, prompts, dtype: torch.dty
     """One runtime's timing pass (target-only and the chain at k) on the prompts: target-only tokens/s."""
     model = loading.load_model(target_dir, device=device, dtype=dtype)
     drafter = (load_served_for(target_dir, args.serving, dtype).to(device) if args.serving
-               else untrained_drafter(target_dir, 16384, device, dtype, args.drafter_intermediate_size))
+               else untrained_drafter(target_dir, args.draft_vocab, device, dtype, args.drafter_intermediate_size))
     decoder = runtime.TargetRuntime(model, drafter.config.aux_layer_ids, compiled=mode != "eager", log=log)
     if mode == "long-cache":
         decoder.smallest_cache = args.long_cache
