@@ -232,7 +232,7 @@ warm_compile() {  # once the run's training starts, its timing pass's compiling 
     wait $job; rc=$?; echo "ended $(date +%T), exit $rc"' "$train_log" "$timing_log" \
     python3 benchmarks/bench_decode.py --target "results/$second_name/target" --timing-only --modes compiled \
     --loops device --dtypes bfloat16 \
-    ${WARM_ARGS:---prompts 20 --max-new 128 --k 4 --trees 5,8,32 --drafter-intermediate-size 6144} \
+    ${WARM_ARGS:---prompts 20 --max-new 128 --k 4 --trees 5,8,32 --drafter-intermediate-size 6144 --draft-vocab 32768} \
     < /dev/null > logs/warm-compile.txt 2>&1 &
   echo $! > "$pidfile"
   echo "warm compile: waits for $train_log (pid $(cat "$pidfile"))"
