@@ -57,8 +57,9 @@ DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the
 
 
 # a section's keys besides `threads` that size a job or its logs but not its output (the job reads them from the config);
-# extract's are named here, not on its stage's Settings: that module loads torch, which planning must not
-SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
+# extract's are named here, not on its stage's Settings: that module loads torch, which planning must not. train's are
+# TrainSettings.SIZE_ONLY, which TrainSettings.shapes_weights applies with the neutral settings
+SIZE_ONLY = {"extract": {"writer_threads"}}
 
 
 def job_settings(section):
