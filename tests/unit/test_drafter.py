@@ -93,8 +93,8 @@ def test_ttt_steps_equal_a_served_chain_with_engine_positions():
     teacher = Teacher(torch.randn(100, 32), torch.arange(40))
     trained_logits = []
 
-    def recording_loss(logits, probs, counts):
-        trained_logits.append(logits[0, t])
+    def recording_loss(logits, probs, counts):  # rows are the predicted positions p; step k predicts p = t+2+k at t
+        trained_logits.append(logits[t + 2 + len(trained_logits)])
         return step_metrics(logits, probs, counts)
 
     with torch.no_grad():
@@ -116,6 +116,54 @@ def test_ttt_steps_equal_a_served_chain_with_engine_positions():
         assert trained_logits[k].argmax() == served[k].argmax()
     # the check can fail: a chain that keeps the last real position (the old rule) computes other logits
     assert not torch.allclose(trained_logits[steps - 1], fixed_position[steps - 1], atol=1e-3)
+
+
+def dense_ttt_reference(model, batch, teacher, steps, decay):
+    """The objective over every position [B, T, K], with the counted positions masked: what the head on the
+    counted rows alone must equal."""
+    ids = batch["input_ids"]
+    batch_size, length = ids.shape
+    positions = torch.arange(length).expand(batch_size, length)
+    probs, in_draft = teacher(batch["last"])
+    predictable = batch["loss_mask"] & batch["valid"]
+    hidden, cache, total, metrics = batch["aux"], TTTKV(explicit_ttt_attention), torch.zeros(()), []
+    for k in range(steps):
+        span = max(length - 2 - k, 0)
+        logits, hidden, cache = model(shift_left(ids, 1 + k), hidden, positions + k, cache)
+        counts = predictable[:, 2 + k:] & in_draft[:, 1 + k: 1 + k + span]
+        step = step_metrics(logits[:, :span], probs[:, 1 + k: 1 + k + span], counts)
+        total = total + decay ** k * step.pop("mean_loss")
+        metrics.append(step)
+    return total, metrics
+
+
+def test_the_head_on_counted_rows_equals_the_objective_over_every_position():
+    torch.manual_seed(3)
+    model = Drafter(tiny_config())
+    batch_size, length, steps = 3, 14, 4
+    loss_mask = torch.rand(batch_size, length) < 0.6
+    loss_mask[:, :2] = True  # positions too early for a step must not count
+    valid = torch.ones(batch_size, length, dtype=torch.bool)
+    valid[1, 9:] = False  # a padded row
+    batch = {"input_ids": torch.randint(0, 100, (batch_size, length)), "aux": torch.randn(batch_size, length, 96),
+             "last": torch.randn(batch_size, length, 32), "loss_mask": loss_mask, "valid": valid}
+    teacher = Teacher(torch.randn(100, 32), torch.arange(0, 80, 2))  # half the target vocab: some argmaxes outside
+    assert not teacher(batch["last"])[1].all()
+    results = []
+    for objective in (ttt_forward, dense_ttt_reference):
+        model.zero_grad()
+        total, metrics = objective(model, batch, teacher, steps, 0.8)
+        total.backward()
+        results.append((total, metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (sparse, sparse_metrics, sparse_grads), (dense, dense_metrics, dense_grads) = results
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+    for ours, reference in zip(sparse_metrics, dense_metrics, strict=True):
+        assert ours["count"] == reference["count"] and ours["correct"] == reference["correct"]
+        torch.testing.assert_close(ours["loss"], reference["loss"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours["accept"], reference["accept"], rtol=1e-5, atol=1e-5)
+    assert sparse_grads.keys() == dense_grads.keys() and "lm_head.weight" in sparse_grads
+    for name, grad in sparse_grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_shift_left_pads_with_the_fill_value():

@@ -189,12 +189,22 @@ class Drafter(nn.Module):
 
         `hidden` is either the target's aux features (width 3H, projected by fc) or a previous step's output.
         """
+        hidden, cache = self.step(input_ids, hidden, positions, cache)
+        return self.head(hidden), hidden, cache
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache | None]:
+        """`forward` without the head: the pre-norm hidden [B,T,H] and the cache. Training applies `head` only to
+        the rows its loss counts."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        hidden, cache = self.midlayer(embeds, hidden, cos, sin, positions, cache)
-        return self.lm_head(self.norm(hidden)), hidden, cache
+        return self.midlayer(embeds, hidden, cos, sin, positions, cache)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of pre-norm hidden states ([..., H] -> [..., K])."""
+        return self.lm_head(self.norm(hidden))
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                past: DecodeKV | StaticKV | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:

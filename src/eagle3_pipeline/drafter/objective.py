@@ -94,24 +94,26 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
 
     Step k at sequence position t is rotated at position t + k: a serving engine advances the rotary position
     by one per draft step (vLLM `EagleProposer.propose`, SGLang `draft_forward`), so training must too.
-    Step k's prediction at t is compared with the teacher at t+1+k through slices (views, no copies of the
-    [B, T, K] teacher); positions without a teacher (the last 2+k) simply fall outside the slice."""
+    Step k's prediction at t is of the token at p = t+2+k, against the teacher at p-1. Only the predictable
+    positions p (assistant tokens inside the sequence) are ever counted, so the head, the teacher and the loss
+    run on those rows alone ([N, K] rather than [B, T, K]: prompts and padding cost no vocabulary work); the
+    teacher's rows are the same for every step, so it runs once."""
     loss_fn = loss_fn or step_metrics
     device = batch["input_ids"].device
     batch_size, length = batch["input_ids"].shape
     positions = torch.arange(length, device=device).expand(batch_size, length)
-    probs, argmax_in_draft = teacher(batch["last"])
-    predictable = batch["loss_mask"] & batch["valid"]  # an assistant token inside the sequence
+    rows, predicted = (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)  # the positions p, once
+    probs, argmax_in_draft = teacher(batch["last"][rows, (predicted - 1).clamp(min=0)])  # [N, K], [N]
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)
     total = torch.zeros((), device=device)
     metrics = []
     for k in range(steps):
-        span = max(length - 2 - k, 0)  # positions t whose target token x[t+2+k] exists
-        logits, hidden, cache = model(shift_left(batch["input_ids"], 1 + k), hidden, positions + k, cache)
-        # predicted token x[t+2+k] must be an assistant token; its teacher argmax must be drafter-reachable
-        counts = predictable[:, 2 + k:] & argmax_in_draft[:, 1 + k: 1 + k + span]
-        step = loss_fn(logits[:, :span], probs[:, 1 + k: 1 + k + span], counts)
+        hidden, cache = model.step(shift_left(batch["input_ids"], 1 + k), hidden, positions + k, cache)
+        # row p is predicted at t = p-2-k; a p too early for this step has no t and does not count
+        logits = model.head(hidden[rows, (predicted - 2 - k).clamp(min=0)])
+        counts = argmax_in_draft & (predicted >= 2 + k)  # and the teacher's argmax must be drafter-reachable
+        step = loss_fn(logits, probs, counts)
         total = total + (decay ** k) * step.pop("mean_loss")
         metrics.append(step)
     return total, metrics
