@@ -68,7 +68,8 @@ def random_batch(config, rows: list[int], width: int, device: str) -> dict[str, 
             "last": torch.randn(len(rows), width, config.hidden_size, device=device, dtype=dtype)}
 
 
-def measure(shape: str, ttt_steps: int, sequences: int, device: str) -> dict[str, float]:
+def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_tokens: int | None = None
+            ) -> dict[str, float]:
     """One path (the package on this process's path) on one shape: step-0 loss, full-row and epoch rates."""
     import logging
 
@@ -80,7 +81,8 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str) -> dict[str
     from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.training.settings import TrainSettings
 
-    fields, batch_tokens = SHAPES[shape]
+    fields, shape_tokens = SHAPES[shape]
+    batch_tokens = batch_tokens or shape_tokens
     config = DrafterConfig(**fields)
     settings = from_section(TrainSettings, schema_defaults("train") | {
         "ttt_steps": ttt_steps, "batch_tokens": batch_tokens, "max_seq_len": 2048})
@@ -88,7 +90,8 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str) -> dict[str
     torch.manual_seed(0)
     model = Drafter(config).to(device)
     lm_head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-    teacher = objective.Teacher(lm_head, torch.arange(config.draft_vocab_size, device=device) * 2)
+    spread = torch.arange(config.draft_vocab_size, device=device) * config.vocab_size // config.draft_vocab_size
+    teacher = objective.Teacher(lm_head, spread)  # draft ids spread over the vocabulary
     attention = choose_ttt_attention("auto", torch.device(device), log)
     loss = objective.compiled_loss(settings.compile, torch.device(device), log)
     ttt = objective.TTTObjective(model, teacher, ttt_steps, 0.8, loss, attention)
@@ -116,7 +119,7 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str) -> dict[str
         return sum(int(b["valid"].sum()) for b in batches) * repeats / (time.perf_counter() - start)
 
     torch.manual_seed(1)
-    full = random_batch(config, [2048] * (batch_tokens // 2048), 2048, device)
+    full = random_batch(config, [2048] * max(batch_tokens // 2048, 1), 2048, device)
     step0 = float(step(full))
     lengths = sharegpt_like_lengths(sequences)
     rows = [[int(lengths[j]) for _, j in batch] for batch in epoch_batches([lengths], settings, 0)]
@@ -154,6 +157,7 @@ def run_path(src: Path, shape: str, args: argparse.Namespace) -> dict[str, float
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, __file__, "--measure", shape, "--ttt-steps", str(args.ttt_steps),
                "--sequences", str(args.sequences), "--device", args.device]
+    command += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{shape} with {src}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -171,11 +175,12 @@ def main() -> None:
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--sequences", type=int, default=400, help="ShareGPT-like sequences per measurement")
     parser.add_argument("--only", choices=sorted(SHAPES), action="append", help="these drafter shapes only")
+    parser.add_argument("--batch-tokens", type=int, help="tokens per batch (default: the shape's, 16,384 or 8,192)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu checks that both paths run (small sizes)")
     parser.add_argument("--measure", choices=sorted(SHAPES), help=argparse.SUPPRESS)  # the per-path process
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.ttt_steps, args.sequences, args.device)))
+        print(json.dumps(measure(args.measure, args.ttt_steps, args.sequences, args.device, args.batch_tokens)))
         return
     paths = {"baseline": baseline_source(args.baseline_commit, args.baseline_src),
              "ours": Path(__file__).resolve().parents[1] / "src"}

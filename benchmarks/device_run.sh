@@ -48,7 +48,9 @@
 #             stores becomes each other arm's; each arm builds its own vocabulary. Nothing checks that the arms'
 #             data and extract settings agree: an arm that changes them trains on the first arm's stores all the
 #             same. BENCH_REGEN=1: as in single, on the first arm's data.
-#   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1
+#   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1. The device copy has no git
+#             history: carry the baseline as .bench-baseline (git archive COMMIT src/eagle3_pipeline config | tar -x
+#             -C .bench-baseline, ignored in .git/info/exclude); $BENCH_TRAIN_ARGS adds arguments (--only example)
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
 #             drafter.sha256 and its serving config.json), timed without a pipeline run: the CUDA-only test modules,
@@ -456,7 +458,8 @@ case $stage in
     ;;
   benches)
     (export CUDA_VISIBLE_DEVICES=$last_gpu; bench_extract > "$out/bench_extract.txt") &
-    CUDA_VISIBLE_DEVICES=0 timeout $((limit - 20)) python3 benchmarks/bench_train.py > "$out/bench_train.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout $((limit - 20)) python3 benchmarks/bench_train.py --baseline-src .bench-baseline \
+      ${BENCH_TRAIN_ARGS:-} > "$out/bench_train.txt" 2>&1
     wait; cat "$out/bench_train.txt" "$out/bench_extract.txt"
     ;;
   trees)
