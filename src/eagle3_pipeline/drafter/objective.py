@@ -62,11 +62,11 @@ def target_argmax(last: torch.Tensor, lm_head: torch.Tensor, chunk_elements: int
 class Teacher:
     """The frozen target lm_head, giving draft-vocab probabilities and whether the argmax is in the draft.
 
-    Only the draft vocabulary's rows make logits that are kept ([B, T, K]); the full-vocabulary argmax runs over
-    chunks (`target_argmax`). `softcap` is the target's `final_logit_softcapping` (Gemma 2): the target's
-    distribution is the softmax of its softcapped logits, so the teacher's is too. `temperature` below 1 sharpens
-    the teacher towards its argmax (`train.teacher_temperature`): greedy verification accepts only the argmax, and
-    a drafter too small to match the whole distribution then spends less of itself on the tail."""
+    Only the draft vocabulary's rows make logits that are kept ([..., K] for states [..., H]); the full-vocabulary
+    argmax runs over chunks (`target_argmax`). `softcap` is the target's `final_logit_softcapping` (Gemma 2): the
+    target's distribution is the softmax of its softcapped logits, so the teacher's is too. `temperature` below 1
+    sharpens the teacher towards its argmax (`train.teacher_temperature`): greedy verification accepts only the
+    argmax, and a drafter too small to match the whole distribution then spends less of itself on the tail."""
 
     def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, softcap: float | None = None,
                  chunk_elements: int = LOGIT_CHUNK_ELEMENTS, temperature: float = 1.0):
@@ -83,7 +83,7 @@ class Teacher:
     def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         last = last.to(self.lm_head.dtype)
         argmax_in_draft = self.in_draft[target_argmax(last, self.lm_head, self.chunk_elements)]
-        logits = softcapped((last @ self.draft_head.T).float(), self.softcap)  # [B,T,K]
+        logits = softcapped((last @ self.draft_head.T).float(), self.softcap)  # [..., K]
         return torch.softmax(logits / self.temperature, dim=-1), argmax_in_draft
 
 
