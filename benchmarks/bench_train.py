@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 ASSISTANT_SHARE = 0.75
 SHAPES = {  # name: (DrafterConfig fields, tokens per batch)
     "smollm2": (dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -147,20 +148,23 @@ def baseline_source(commit: str | None, root: Path | None) -> Path:
     if root is None:
         root = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
         archive = subprocess.run(["git", "archive", commit, "src/eagle3_pipeline", "config"], check=True,
-                                 capture_output=True).stdout
+                                 capture_output=True, cwd=REPO).stdout
         subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     return root / "src"
 
 
 def run_path(src: Path, shape: str, args: argparse.Namespace) -> dict[str, float]:
     """`measure` in a fresh process with `src` first on its path (its own compiler caches, its own package)."""
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, __file__, "--measure", shape, "--ttt-steps", str(args.ttt_steps),
                "--sequences", str(args.sequences), "--device", args.device]
     command += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{shape} with {src}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    for line in done.stderr.splitlines():  # a fallback to eager loss or attention would skew the comparison
+        if "unavailable" in line:
+            print(f"  [{src}] {line.strip()}", flush=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not Path(result["package"]).resolve().is_relative_to(src.resolve()):  # an installed copy came first
         sys.exit(f"{shape}: measured {result['package']}, not the package in {src}")
@@ -182,8 +186,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure, args.ttt_steps, args.sequences, args.device, args.batch_tokens)))
         return
-    paths = {"baseline": baseline_source(args.baseline_commit, args.baseline_src),
-             "ours": Path(__file__).resolve().parents[1] / "src"}
+    paths = {"baseline": baseline_source(args.baseline_commit, args.baseline_src), "ours": REPO / "src"}
     for shape in args.only or ["example", "8b"]:
         results = {name: run_path(src, shape, args) for name, src in paths.items()}
         print(f"{TITLES[shape]}: TTT step-0 loss on one batch, baseline {results['baseline']['step0_loss']:.5f} "

@@ -137,18 +137,24 @@ def dense_ttt_reference(model, batch, teacher, steps, decay):
     return total, metrics
 
 
-def test_the_head_on_counted_rows_equals_the_objective_over_every_position():
+@pytest.mark.parametrize("argmax_outside", [True, False], ids=["some-argmax-outside", "every-argmax-inside"])
+def test_the_head_on_counted_rows_equals_the_objective_over_every_position(argmax_outside):
     torch.manual_seed(3)
     model = Drafter(tiny_config())
     batch_size, length, steps = 3, 14, 4
     loss_mask = torch.rand(batch_size, length) < 0.6
     loss_mask[:, :2] = True  # positions too early for a step must not count
+    loss_mask[:, -1] = True  # the last position counts
     valid = torch.ones(batch_size, length, dtype=torch.bool)
-    valid[1, 9:] = False  # a padded row
+    valid[1, 9:] = False  # a padded row, its padding marked as loss positions: only `valid` keeps them out
+    loss_mask[1, 9:] = True
     batch = {"input_ids": torch.randint(0, 100, (batch_size, length)), "aux": torch.randn(batch_size, length, 96),
              "last": torch.randn(batch_size, length, 32), "loss_mask": loss_mask, "valid": valid}
-    teacher = Teacher(torch.randn(100, 32), torch.arange(0, 80, 2))  # half the target vocab: some argmaxes outside
-    assert not teacher(batch["last"])[1].all()
+    draft_ids, head = torch.arange(0, 80, 2), torch.randn(100, 32)
+    if not argmax_outside:  # rows outside the draft give logit 0, below the best of 40 random draft logits
+        head[~torch.isin(torch.arange(100), draft_ids)] = 0
+    teacher = Teacher(head, draft_ids)
+    assert teacher(batch["last"])[1].all() != argmax_outside
     results = []
     for objective in (ttt_forward, dense_ttt_reference):
         model.zero_grad()

@@ -14,9 +14,9 @@ The midlayer's pre-norm output is the drafter's own "hidden state": training-tim
 back as `h` for the next draft position, exactly as SGLang/vLLM do when drafting a chain.
 Weight names match what SGLang's and vLLM's `LlamaForCausalLMEagle3` load (see export.py).
 
-Training and decoding run the same `Drafter.forward`; only the KV cache passed in differs (attention.py:
-the training-time-test steps' keys, a growing decode cache, or a static one). The TTT objective that unrolls
-it is objective.py.
+Training and decoding run the same layer (`Drafter.step`); only the KV cache passed in differs (attention.py:
+the training-time-test steps' keys, a growing decode cache, or a static one). Decoding applies the head to every
+row (`forward`), training only to the rows its loss counts; the TTT objective that unrolls it is objective.py.
 """
 
 from __future__ import annotations

@@ -157,9 +157,9 @@ def compiled_loss(mode: str | bool, device: torch.device, log: logging.Logger):
     compiled = torch.compile(step_metrics, dynamic=True)
     try:  # the probe's random numbers must not shift the training RNG (a resumed run would diverge)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            logits = torch.randn(2, 3, 8, device=device, requires_grad=True)
-            probs = torch.softmax(torch.randn(2, 3, 8, device=device), -1)
-            compiled(logits, probs, torch.ones(2, 3, dtype=torch.bool, device=device))["mean_loss"].backward()
+            logits = torch.randn(3, 8, device=device, requires_grad=True)  # [N, K], as ttt_forward calls it
+            probs = torch.softmax(torch.randn(3, 8, device=device), -1)
+            compiled(logits, probs, torch.ones(3, dtype=torch.bool, device=device))["mean_loss"].backward()
     except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
         log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
                     type(exc).__name__, str(exc)[:300])
