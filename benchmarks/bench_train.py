@@ -77,7 +77,7 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_token
     from eagle3_pipeline.config_schema import schema_defaults
     from eagle3_pipeline.drafter import objective
     from eagle3_pipeline.drafter.attention import choose_ttt_attention
-    from eagle3_pipeline.drafter.batches import epoch_batches
+    from eagle3_pipeline.drafter.batches import epoch_batches, padded_width
     from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
     from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.training.settings import TrainSettings
@@ -124,7 +124,7 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_token
     step0 = float(step(full))
     lengths = sharegpt_like_lengths(sequences)
     rows = [[int(lengths[j]) for _, j in batch] for batch in epoch_batches([lengths], settings, 0)]
-    width = [-(-max(r) // settings.pad_multiple) * settings.pad_multiple for r in rows]
+    width = [padded_width(max(r), settings.pad_multiple) for r in rows]
     real = [random_batch(config, r, w, device) for r, w in zip(rows, width, strict=True)]
     fill = sum(int(b["valid"].sum()) for b in real) / sum(b["valid"].numel() for b in real)
     per_token = ttt_steps * 3 * flops_per_token(config) + 2 * config.vocab_size * config.hidden_size
