@@ -63,6 +63,7 @@
 # The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
 # appended to every --configfile list.
+# $SNAKEMAKE_ARGS: more snakemake options for every run (word-split), e.g. -P results/RUN/evaluation/SET.json.
 # bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 set -uo pipefail
 stage=$1 out=$2
@@ -95,7 +96,7 @@ second_name=$(run_name "${second[@]}")
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
   cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-benchmarks/device-pool.yaml} "$@" --cores all --resources gpu=4
-       --scheduler greedy --rerun-incomplete)
+       --scheduler greedy --rerun-incomplete ${SNAKEMAKE_ARGS:-})  # e.g. "-P FILE": that file's jobs first
 }
 
 bench_extract() {  # the 8B shape: as in earlier sessions (64 sequences), then 3x longer (fill/drain weigh less)
