@@ -1,6 +1,6 @@
 """Every shipped config validates against the schema as the workflow reads it: each user example in
 config/examples/ on its own (a --configfile run starts from the schema's defaults, not config/config.yaml), and the
-GPU-session overlays in benchmarks/configs/ over the GPU example
+GPU-session overlays in benchmarks/configs/ over the GPU example, its CPU overlays over config/config.yaml
 (a renamed or retyped key fails here, naming the file, before anyone spends a GPU session on it)."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from tests.conftest import REPO
 
 SCHEMA = REPO / "config" / "schema.yaml"
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
-OVERLAYS = sorted((REPO / "benchmarks" / "configs").glob("*.yaml"))
+OVERLAYS = sorted((REPO / "benchmarks" / "configs").glob("gpu-smollm2-*.yaml"))
+CPU_OVERLAYS = sorted((REPO / "benchmarks" / "configs").glob("cpu-*.yaml"))
 GPU_EXAMPLE = REPO / "config" / "examples" / "gpu-smollm2.yaml"
+DEFAULT_CONFIG = REPO / "config" / "config.yaml"
 
 
 def merged(*paths: Path) -> dict[str, Any]:
@@ -39,7 +41,8 @@ def deep_update(base: dict[str, Any], overlay: dict[str, Any]) -> None:
 def test_the_user_examples_and_the_session_overlays_are_where_users_and_benchmarks_look():
     assert {p.name for p in EXAMPLES} == {"gpu-smollm2.yaml", "llama31-8b-slurm.yaml", "kimi-k2-1t-slurm.yaml",
                                           "sharegpt-full-data.yaml"}
-    assert OVERLAYS and all(p.name.startswith("gpu-smollm2-") for p in OVERLAYS)
+    every_overlay = set((REPO / "benchmarks" / "configs").glob("*.yaml"))
+    assert OVERLAYS and CPU_OVERLAYS and every_overlay == set(OVERLAYS) | set(CPU_OVERLAYS)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -50,6 +53,11 @@ def test_each_user_example_validates(example):
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
 def test_each_session_overlay_validates_over_the_gpu_example(overlay):
     config_schema.check_schema(merged(GPU_EXAMPLE, overlay), SCHEMA)
+
+
+@pytest.mark.parametrize("overlay", CPU_OVERLAYS, ids=lambda p: p.name)
+def test_each_cpu_overlay_validates_over_the_default_config(overlay):
+    config_schema.check_schema(merged(DEFAULT_CONFIG, overlay), SCHEMA)
 
 
 def test_a_misspelt_key_in_an_overlay_fails_naming_it(tmp_path):
