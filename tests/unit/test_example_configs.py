@@ -16,8 +16,9 @@ from tests.conftest import REPO
 
 SCHEMA = REPO / "config" / "schema.yaml"
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
-OVERLAYS = sorted((REPO / "benchmarks" / "configs").glob("gpu-smollm2-*.yaml"))
-CPU_OVERLAYS = sorted((REPO / "benchmarks" / "configs").glob("cpu-*.yaml"))
+OVERLAY_DIR = REPO / "benchmarks" / "configs"
+OVERLAYS = sorted(OVERLAY_DIR.glob("gpu-smollm2-*.yaml"))
+CPU_OVERLAYS = sorted(OVERLAY_DIR.glob("cpu-*.yaml"))
 GPU_EXAMPLE = REPO / "config" / "examples" / "gpu-smollm2.yaml"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
 
@@ -41,8 +42,7 @@ def deep_update(base: dict[str, Any], overlay: dict[str, Any]) -> None:
 def test_the_user_examples_and_the_session_overlays_are_where_users_and_benchmarks_look():
     assert {p.name for p in EXAMPLES} == {"gpu-smollm2.yaml", "llama31-8b-slurm.yaml", "kimi-k2-1t-slurm.yaml",
                                           "sharegpt-full-data.yaml"}
-    every_overlay = set((REPO / "benchmarks" / "configs").glob("*.yaml"))
-    assert OVERLAYS and CPU_OVERLAYS and every_overlay == set(OVERLAYS) | set(CPU_OVERLAYS)
+    assert OVERLAYS and CPU_OVERLAYS and set(OVERLAY_DIR.glob("*.yaml")) == set(OVERLAYS) | set(CPU_OVERLAYS)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
