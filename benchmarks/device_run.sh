@@ -63,7 +63,9 @@
 # The overlays sized for these sessions live in benchmarks/configs/.
 # Extra config comes from $DEVICE_CONFIG (default benchmarks/device-pool.yaml: the target's device path): files
 # appended to every --configfile list.
-# $SNAKEMAKE_ARGS: more snakemake options for every run (word-split), e.g. -P results/RUN/evaluation/SET.json.
+# $SNAKEMAKE_ARGS: more snakemake options for every run (word-split). $PRIORITY_SET (e.g. mtbench-package): every
+# run's tau pass of that prompt set first (-P results/RUN/evaluation/SET.json per run: one run's path is no target
+# of another's, which Snakemake refuses).
 # bench_decode.py's arguments: $BENCH_ARGS (default: 3 prompts x 64 tokens, bf16, eager and compiled).
 set -uo pipefail
 stage=$1 out=$2
@@ -110,7 +112,7 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
   local name=$1; shift
   local left=$((deadline - SECONDS)) cmd
   [ $left -gt 30 ] || { echo "$name: no time left in this call"; return; }
-  snakemake_for "$@"
+  snakemake_for "$@" ${PRIORITY_SET:+-P "results/$name/evaluation/$PRIORITY_SET.json"}
   if [ "${DETACH:-0}" = 1 ]; then
     detached "$name" || return 0
   else
