@@ -98,7 +98,7 @@ second_name=$(run_name "${second[@]}")
 
 snakemake_for() {  # snakemake_for OVERLAYS...: sets $cmd, one run's snakemake command line (on top of the example)
   cmd=(python3 -m snakemake --configfile $example ${DEVICE_CONFIG:-benchmarks/device-pool.yaml} "$@" --cores all --resources gpu=4
-       --scheduler greedy --rerun-incomplete ${SNAKEMAKE_ARGS:-})  # e.g. "-P FILE": that file's jobs first
+       --scheduler greedy --rerun-incomplete ${SNAKEMAKE_ARGS:-})  # priorities: $PRIORITY_SET (pipeline)
 }
 
 bench_extract() {  # the 8B shape: as in earlier sessions (64 sequences), then 3x longer (fill/drain weigh less)
