@@ -20,12 +20,13 @@ from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics, ttt_forward
 from eagle3_pipeline.formats import hidden_store, zarr_io
 from eagle3_pipeline.formats.metrics import read as read_metrics
+from eagle3_pipeline.formats.target_dir import read_head
 from eagle3_pipeline.runtime import drafting
 from eagle3_pipeline.runtime.target.loading import load_config
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.stages import export
 from eagle3_pipeline.stages.train import data_error_line
-from eagle3_pipeline.training.loop import train
+from eagle3_pipeline.training.loop import build_drafter, train
 from eagle3_pipeline.training.resume import fingerprint_changes, run_fingerprint
 from eagle3_pipeline.training.selection import summary
 from eagle3_pipeline.training.settings import TrainSettings
@@ -381,6 +382,20 @@ def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp
     assert torch.equal(reloaded.midlayer.mlp.down_proj.weight, model.midlayer.mlp.down_proj.weight)
     fingerprint = json.loads((tmp_path / "state" / "fingerprint.json").read_text())
     assert fingerprint["settings"]["drafter_intermediate_size"] == 3 * target_width
+
+def test_a_head_started_from_the_target_holds_its_rows_of_the_draft_vocabulary(tiny_run, tmp_path):
+    target_dir, store, vocab_path = tiny_run
+    _, lm_head = read_head(target_dir)
+    from_target = build_drafter(target_dir, vocab_path, [1, 2, 3], seed=0, head_init="target")
+    draft_rows = lm_head[from_target.draft_to_target(torch.arange(from_target.config.draft_vocab_size))].float()
+    assert torch.equal(from_target.lm_head.weight, draft_rows)
+    assert not torch.allclose(build_drafter(target_dir, vocab_path, [1, 2, 3], seed=0).lm_head.weight, draft_rows)
+    train([store], target_dir, vocab_path, tmp_path / "state", settings(epochs=1, head_init="target"))
+    fingerprint = json.loads((tmp_path / "state" / "fingerprint.json").read_text())
+    assert fingerprint["settings"]["head_init"] == "target"
+    # at "random" it trains as before the setting existed: no change to a checkpoint written then
+    assert "head_init" not in run_fingerprint([store], target_dir, vocab_path, settings(), 1)["settings"]
+
 
 @pytest.mark.slow
 def test_flex_ttt_attention_equals_the_explicit_one():

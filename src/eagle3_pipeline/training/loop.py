@@ -41,7 +41,9 @@ def data_error_line(error: Exception) -> str:
 
 
 def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], seed: int,
-                  intermediate_size: int | None = None) -> Drafter:
+                  intermediate_size: int | None = None, head_init: str = "random") -> Drafter:
+    """A fresh drafter: the target's embedding (frozen), the draft vocabulary's maps, and a head drawn at random or
+    (`head_init` "target") the target's lm_head rows of the draft vocabulary (train.head_init)."""
     from eagle3_pipeline.runtime.target.loading import load_config
 
     draft = draft_vocab.read(vocab_path)
@@ -50,11 +52,13 @@ def build_drafter(target_dir: Path, vocab_path: Path, aux_layer_ids: list[int], 
         config = replace(config, intermediate_size=intermediate_size)
     torch.manual_seed(seed)
     model = Drafter(config)
-    embed, _ = read_head(target_dir)
+    embed, lm_head = read_head(target_dir)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed.float())
         model.d2t.copy_(torch.from_numpy(draft.d2t))
         model.t2d.copy_(torch.from_numpy(draft.t2d))
+        if head_init == "target":
+            model.lm_head.weight.copy_(lm_head[model.draft_to_target(torch.arange(len(draft.d2t)))].float())
     return model
 
 
@@ -141,7 +145,7 @@ def set_up(data: TrainingData, target_dir: Path, vocab_path: Path, state_dir: Pa
     distributed = dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     model = build_drafter(target_dir, vocab_path, data.aux_layer_ids, settings.seed,
-                          settings.drafter_intermediate_size).to(device)
+                          settings.drafter_intermediate_size, settings.head_init).to(device)
     attention = choose_ttt_attention(settings.attention, device, log)
     teacher = build_teacher(target_dir, model, device, settings.teacher_temperature)
     schedule = data.schedule
