@@ -383,6 +383,7 @@ def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp
     fingerprint = json.loads((tmp_path / "state" / "fingerprint.json").read_text())
     assert fingerprint["settings"]["drafter_intermediate_size"] == 3 * target_width
 
+
 def test_a_head_started_from_the_target_holds_its_rows_of_the_draft_vocabulary(tiny_run, tmp_path):
     target_dir, store, vocab_path = tiny_run
     _, lm_head = read_head(target_dir)
