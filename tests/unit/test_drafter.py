@@ -384,6 +384,48 @@ def test_a_wider_drafter_mlp_is_trained_exported_and_fingerprinted(tiny_run, tmp
     assert fingerprint["settings"]["drafter_intermediate_size"] == 3 * target_width
 
 
+def test_chains_off_the_targets_greedy_path_weigh_what_off_path_weight_says():
+    """Step k's position p is on the path when the drafted tokens p-k .. p-1 are the target's greedy tokens (and
+    assistant tokens): the weights the loss gets are 1 there and off_path_weight elsewhere, so the loss can only
+    fall as chains leave the path, and a batch wholly on the path trains as the plain objective does."""
+    torch.manual_seed(5)
+    model = Drafter(tiny_config())
+    batch_size, length, steps, broken, prompt = 2, 16, 4, (0, 7), (1, 9)
+    teacher = Teacher(torch.randn(100, 32), torch.arange(0, 80, 2))
+    last = torch.randn(batch_size, length, 32)
+    greedy = teacher.targets(last)[2]
+    ids = torch.randint(0, 100, (batch_size, length))
+    ids[:, 1:] = greedy[:, :-1]  # every token the target's greedy one after its prefix
+    batch = {"input_ids": ids, "aux": torch.randn(batch_size, length, 96), "last": last,
+             "loss_mask": torch.ones(batch_size, length, dtype=torch.bool),
+             "valid": torch.ones(batch_size, length, dtype=torch.bool)}
+    rows, predicted = batch["loss_mask"].nonzero(as_tuple=True)
+
+    def loss_with(weight: float, recorded: list) -> torch.Tensor:
+        def recording(logits, probs, counts, weights=None):
+            recorded.append(torch.ones_like(counts, dtype=torch.float) if weights is None else weights)
+            return step_metrics(logits, probs, counts, weights)
+        with torch.no_grad():
+            return ttt_forward(model, batch, teacher, steps, 0.8, recording, off_path_weight=weight)[0]
+
+    plain, on_path = loss_with(1.0, []), []
+    torch.testing.assert_close(loss_with(0.0, on_path), plain)
+    assert all(bool((w[predicted >= 2 + k] == 1).all()) for k, w in enumerate(on_path))  # the counted rows
+    ids[broken] = (greedy[broken[0], broken[1] - 1] + 1) % 100  # a data token the target would not draft
+    batch["loss_mask"][prompt] = False  # a prompt token: never drafted
+    rows, predicted = batch["loss_mask"].nonzero(as_tuple=True)
+    weights = []
+    off = loss_with(0.25, weights)
+    for k, step_weights in enumerate(weights):
+        counted, off_path = predicted >= 2 + k, torch.zeros_like(predicted, dtype=torch.bool)
+        for (b, q) in (broken, prompt):
+            off_path |= (rows == b) & (predicted - k <= q) & (predicted - 1 >= q)
+        assert int((off_path & counted).sum()) == 2 * k  # k positions of each row see q among their drafts
+        assert bool((step_weights[off_path & counted] == 0.25).all())
+        assert bool((step_weights[~off_path & counted] == 1).all())
+    assert off < loss_with(1.0, [])
+
+
 def test_a_head_started_from_the_target_holds_its_rows_of_the_draft_vocabulary(tiny_run, tmp_path):
     target_dir, store, vocab_path = tiny_run
     _, lm_head = read_head(target_dir)

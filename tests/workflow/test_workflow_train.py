@@ -69,9 +69,10 @@ def test_a_jobs_size_reruns_nothing_but_a_training_setting_retrains(finished_tin
     workdir, config = copy_run(finished_tiny_run, tmp_path / "run")
     sized = {section: {**config[section], **sizes} for section, sizes in {
         "extract": {"threads": 1, "writer_threads": 3}, "parity": {"threads": 1},
-        # teacher_temperature 1.0 and head_init random train as before the settings existed: not in the run's params
+        # teacher_temperature 1.0, head_init random and off_path_weight 1.0 train as before the settings existed:
+        # not in the run's params
         "train": {"threads": 1, "num_workers": 1, "log_every": 7, "checkpoint_every": 11, "teacher_temperature": 1.0,
-                  "head_init": "random"},
+                  "head_init": "random", "off_path_weight": 1.0},
         "evaluate": {"threads": 1}}.items()}
     planned = set(re.findall(r"^rule (\w+):", run_snakemake(workdir, config | sized, "-n").stdout, flags=re.M))
     assert planned <= {"plots", "all"}  # the report's page lists the whole config: seconds to redraw

@@ -79,16 +79,32 @@ class Teacher:
         self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
         self.in_draft[draft_ids] = True
 
-    @torch.no_grad()
     def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, argmax_in_draft, _ = self.targets(last)
+        return probs, argmax_in_draft
+
+    @torch.no_grad()
+    def targets(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft-vocab probabilities [..., K], whether the full-vocab argmax is in the draft, and that argmax
+        (the target's greedy token: the one greedy verification accepts)."""
         last = last.to(self.lm_head.dtype)
-        argmax_in_draft = self.in_draft[target_argmax(last, self.lm_head, self.chunk_elements)]
+        greedy = target_argmax(last, self.lm_head, self.chunk_elements)
         logits = softcapped((last @ self.draft_head.T).float(), self.softcap)  # [..., K]
-        return torch.softmax(logits / self.temperature, dim=-1), argmax_in_draft
+        return torch.softmax(logits / self.temperature, dim=-1), self.in_draft[greedy], greedy
+
+
+def on_greedy_path(batch: dict[str, torch.Tensor], rows: torch.Tensor, predicted: torch.Tensor,
+                   greedy: torch.Tensor) -> torch.Tensor:
+    """[B, T]: whether the data's token at each predictable position is the target's greedy token there. A chain
+    step fed a data token that is not can never be reached by decoding with greedy verification, which would have
+    fed (or rejected at) the target's own token instead; prompt positions are never drafted, so never on the path."""
+    aligned = torch.zeros_like(batch["loss_mask"])
+    aligned[rows, predicted] = batch["input_ids"][rows, predicted] == greedy
+    return aligned
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,
-                loss_fn=None, attention: TTTKernel = explicit_ttt_attention
+                loss_fn=None, attention: TTTKernel = explicit_ttt_attention, off_path_weight: float = 1.0
                 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Unrolled training-time test. Returns the weighted loss and per-step metrics (sums and counts).
 
@@ -97,13 +113,20 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
     Step k's prediction at t is of the token at p = t+2+k, against the teacher at p-1. Only the predictable
     positions p (assistant tokens inside the sequence) are ever counted, so the head, the teacher and the loss
     run on those rows alone ([N, K] rather than [B, T, K]: prompts and padding cost no vocabulary work); the
-    teacher's rows are the same for every step, so it runs once."""
+    teacher's rows are the same for every step, so it runs once.
+
+    `off_path_weight` (`train.off_path_weight`) below 1 weighs down step k's positions whose k drafted tokens are
+    not all the target's greedy tokens (`on_greedy_path`): the chains greedy decoding never reaches (as GRIFFIN's
+    token-alignable training masks misaligned tokens). Each step's loss stays a mean over all its counted
+    positions, so a step whose chains mostly leave the path weighs less as a whole."""
     loss_fn = loss_fn or step_metrics
     device = batch["input_ids"].device
     batch_size, length = batch["input_ids"].shape
     positions = torch.arange(length, device=device).expand(batch_size, length)
     rows, predicted = (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)  # the positions p, once
-    probs, argmax_in_draft = teacher(batch["last"][rows, (predicted - 1).clamp(min=0)])  # [N, K], [N]
+    probs, argmax_in_draft, greedy = teacher.targets(batch["last"][rows, (predicted - 1).clamp(min=0)])
+    aligned = on_greedy_path(batch, rows, predicted, greedy) if off_path_weight < 1 else None
+    on_path = torch.ones_like(argmax_in_draft)
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)
     total = torch.zeros((), device=device)
@@ -113,20 +136,27 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
         # row p is predicted at t = p-2-k; a p too early for this step has no t and does not count
         logits = model.head(hidden[rows, (predicted - 2 - k).clamp(min=0)])
         counts = argmax_in_draft & (predicted >= 2 + k)  # and the teacher's argmax must be drafter-reachable
-        step = loss_fn(logits, probs, counts)
+        if aligned is None:
+            step = loss_fn(logits, probs, counts)
+        else:  # step k's drafted tokens sit at p-k .. p-1
+            on_path = on_path & aligned[rows, (predicted - k).clamp(min=0)] if k else on_path
+            step = loss_fn(logits, probs, counts, torch.where(on_path, 1.0, off_path_weight))
         total = total + (decay ** k) * step.pop("mean_loss")
         metrics.append(step)
     return total, metrics
 
 
-def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Soft cross-entropy (mean, differentiable) plus sums over counted positions: loss, correct top-1,
-    expected acceptance sum(min(p_draft, q_teacher)), count. Masked sums, not boolean indexing: indexing by a
-    mask waits for the GPU to know the count; sums stay tensors for the same reason."""
+def step_metrics(logits: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Soft cross-entropy (mean over the counted positions, each times its `weight` where given; differentiable)
+    plus sums over counted positions: loss, correct top-1, expected acceptance sum(min(p_draft, q_teacher)),
+    count. Masked sums, not boolean indexing: indexing by a mask waits for the GPU to know the count; sums stay
+    tensors for the same reason."""
     log_q = torch.log_softmax(logits.float(), dim=-1)
     n = counts.sum()
     per_position = torch.where(counts, -(target_probs * log_q).sum(-1), 0.0)
-    mean_loss = per_position.sum() / n.clamp(min=1)
+    weighted = per_position if weights is None else per_position * weights
+    mean_loss = weighted.sum() / n.clamp(min=1)
     with torch.no_grad():
         correct = ((logits.argmax(-1) == target_probs.argmax(-1)) & counts).sum()
         accept = torch.where(counts, torch.minimum(log_q.exp(), target_probs).sum(-1), 0.0).sum()
@@ -138,14 +168,16 @@ class TTTObjective(torch.nn.Module):
     """The drafter plus its training objective, as one module so DDP's gradient hooks see the whole step."""
 
     def __init__(self, drafter: Drafter, teacher: Teacher, steps: int, decay: float, loss_fn=None,
-                 attention: TTTKernel = explicit_ttt_attention):
+                 attention: TTTKernel = explicit_ttt_attention, off_path_weight: float = 1.0):
         super().__init__()
         self.drafter, self.teacher, self.steps, self.decay = drafter, teacher, steps, decay
         self.loss_fn = loss_fn or step_metrics
         self.attention = attention
+        self.off_path_weight = off_path_weight
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay, self.loss_fn, self.attention)
+        return ttt_forward(self.drafter, batch, self.teacher, self.steps, self.decay, self.loss_fn, self.attention,
+                           self.off_path_weight)
 
 
 def compiled_loss(mode: str | bool, device: torch.device, log: logging.Logger):

@@ -165,7 +165,7 @@ def set_up(data: TrainingData, target_dir: Path, vocab_path: Path, state_dir: Pa
     epoch_end_steps = {min(-(-end // world), steps_total): epoch + 1 for epoch, end in enumerate(schedule.epoch_ends)}
     epoch_end_steps[steps_total] = epoch_end_steps.get(steps_total, settings.epochs)
     objective = TTTObjective(model, teacher, settings.ttt_steps, settings.step_weight_decay,
-                             compiled_loss(settings.compile, device, log), attention)
+                             compiled_loss(settings.compile, device, log), attention, settings.off_path_weight)
     if distributed:
         objective = torch.nn.parallel.DistributedDataParallel(objective)
     loader = torch.utils.data.DataLoader(

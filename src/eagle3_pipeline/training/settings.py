@@ -33,6 +33,7 @@ class TrainSettings:
     pad_multiple: int  # batch widths are rounded up to this (few shapes: compiled kernels and masks are reused)
     drafter_intermediate_size: int | None  # the drafter's MLP width; None = the target's
     head_init: str  # the drafter's lm_head at step 0: "random", or "target" (the target's rows of the draft vocab)
+    off_path_weight: float  # loss weight of chain positions off the target's greedy path (1 = every chain alike)
 
     # keys of the section that are not the training process's (the rule's resources and inputs use them):
     # from_section(TrainSettings, section) skips these and refuses any other key no field reads
@@ -42,7 +43,7 @@ class TrainSettings:
     SIZE_ONLY: ClassVar[frozenset[str]] = frozenset({"log_every", "checkpoint_every", "num_workers"})
     # settings added after runs were trained, at the value that trains as before: left out of the rule's params and
     # the resume fingerprint at that value, so such a run neither retrains nor loses its checkpoint
-    NEUTRAL: ClassVar[dict[str, object]] = {"teacher_temperature": 1.0, "head_init": "random"}
+    NEUTRAL: ClassVar[dict[str, object]] = {"teacher_temperature": 1.0, "head_init": "random", "off_path_weight": 1.0}
 
     @classmethod
     def shapes_weights(cls, key: str, value: object) -> bool:
