@@ -424,6 +424,13 @@ def test_chains_off_the_targets_greedy_path_weigh_what_off_path_weight_says():
         assert bool((step_weights[off_path & counted] == 0.25).all())
         assert bool((step_weights[~off_path & counted] == 1).all())
     assert off < loss_with(1.0, [])
+    # a weight scales its position's share of the step's mean over every counted position
+    logits, probs = torch.randn(5, 40), torch.softmax(torch.randn(5, 40), -1)
+    counts = torch.tensor([True, True, True, False, True])
+    weights = torch.tensor([1.0, 0.25, 0.0, 1.0, 1.0])
+    cross_entropy = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(step_metrics(logits, probs, counts, weights)["mean_loss"],
+                               (cross_entropy * weights)[counts].sum() / 4)
 
 
 def test_a_head_started_from_the_target_holds_its_rows_of_the_draft_vocabulary(tiny_run, tmp_path):

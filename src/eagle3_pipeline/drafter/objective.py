@@ -191,7 +191,9 @@ def compiled_loss(mode: str | bool, device: torch.device, log: logging.Logger):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             logits = torch.randn(3, 8, device=device, requires_grad=True)  # [N, K], as ttt_forward calls it
             probs = torch.softmax(torch.randn(3, 8, device=device), -1)
-            compiled(logits, probs, torch.ones(3, dtype=torch.bool, device=device))["mean_loss"].backward()
+            counts = torch.ones(3, dtype=torch.bool, device=device)
+            compiled(logits, probs, counts)["mean_loss"].backward()
+            compiled(logits, probs, counts, torch.full((3,), 0.5, device=device))["mean_loss"].backward()  # weighed
     except Exception as exc:  # no compiler toolchain, unsupported device: eager gives the same numbers
         log.warning("torch.compile unavailable on %s (%s: %s); the loss runs eagerly", device,
                     type(exc).__name__, str(exc)[:300])
