@@ -126,7 +126,7 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
     rows, predicted = (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)  # the positions p, once
     probs, argmax_in_draft, greedy = teacher.targets(batch["last"][rows, (predicted - 1).clamp(min=0)])
     aligned = on_greedy_path(batch, rows, predicted, greedy) if off_path_weight < 1 else None
-    on_path = torch.ones_like(argmax_in_draft)
+    on_path = torch.ones_like(argmax_in_draft) if aligned is not None else None  # step 0 drafts nothing
     hidden = batch["aux"].to(model.fc.weight.dtype)
     cache = TTTKV(attention)
     total = torch.zeros((), device=device)
@@ -138,8 +138,9 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
         counts = argmax_in_draft & (predicted >= 2 + k)  # and the teacher's argmax must be drafter-reachable
         if aligned is None:
             step = loss_fn(logits, probs, counts)
-        else:  # step k's drafted tokens sit at p-k .. p-1
-            on_path = on_path & aligned[rows, (predicted - k).clamp(min=0)] if k else on_path
+        else:
+            if k:  # step k's drafted tokens sit at p-k .. p-1
+                on_path = on_path & aligned[rows, (predicted - k).clamp(min=0)]
             step = loss_fn(logits, probs, counts, torch.where(on_path, 1.0, off_path_weight))
         total = total + (decay ** k) * step.pop("mean_loss")
         metrics.append(step)
