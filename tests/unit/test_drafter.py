@@ -125,7 +125,7 @@ def dense_ttt_reference(model, batch, teacher, steps, decay):
     ids = batch["input_ids"]
     batch_size, length = ids.shape
     positions = torch.arange(length).expand(batch_size, length)
-    probs, in_draft = teacher(batch["last"])
+    probs, in_draft, _ = teacher.targets(batch["last"])
     predictable = batch["loss_mask"] & batch["valid"]
     hidden, cache, total, metrics = batch["aux"], TTTKV(explicit_ttt_attention), torch.zeros(()), []
     for k in range(steps):
@@ -155,7 +155,7 @@ def test_the_head_on_counted_rows_equals_the_objective_over_every_position(argma
     if not argmax_outside:  # rows outside the draft give logit 0, below the best of 40 random draft logits
         head[~torch.isin(torch.arange(100), draft_ids)] = 0
     teacher = Teacher(head, draft_ids)
-    assert teacher(batch["last"])[1].all() != argmax_outside
+    assert teacher.targets(batch["last"])[1].all() != argmax_outside
     results = []
     for objective in (ttt_forward, dense_ttt_reference):
         model.zero_grad()
@@ -197,13 +197,13 @@ def test_step_metrics_on_a_hand_made_case():
 def test_a_cooler_teacher_sharpens_towards_the_same_argmax():
     torch.manual_seed(0)
     head, draft_ids, last = torch.randn(100, 32), torch.arange(40), torch.randn(2, 5, 32)
-    plain, in_draft = Teacher(head, draft_ids)(last)
-    sharp, sharp_in_draft = Teacher(head, draft_ids, temperature=0.5)(last)
+    plain, in_draft, _ = Teacher(head, draft_ids).targets(last)
+    sharp, sharp_in_draft, _ = Teacher(head, draft_ids, temperature=0.5).targets(last)
     assert torch.equal(plain.argmax(-1), sharp.argmax(-1)) and torch.equal(in_draft, sharp_in_draft)
     # softmax(z / 0.5) is softmax(z) squared, renormalised
     torch.testing.assert_close(sharp, plain ** 2 / (plain ** 2).sum(-1, keepdim=True))
     assert bool((sharp.max(-1).values > plain.max(-1).values).all())
-    capped = Teacher(head, draft_ids, softcap=5.0, temperature=0.5)(last)[0]  # the cap first, as the target's logits
+    capped = Teacher(head, draft_ids, softcap=5.0, temperature=0.5).targets(last)[0]  # cap first, as the target
     logits = 5.0 * torch.tanh((last @ head[draft_ids].T) / 5.0)
     torch.testing.assert_close(capped, torch.softmax(logits / 0.5, dim=-1))
 

@@ -174,10 +174,10 @@ def test_gemma2_teacher_is_the_softcapped_target_distribution(tmp_path):
         last = target.model(ids).last_hidden_state
         target_logits = target(ids).logits  # transformers' Gemma 2 applies the softcap
     assert target_logits.abs().max() < 30 < (last @ target.lm_head.weight.T).abs().max()  # the cap is in play
-    probs, argmax_in_draft = teacher(last)
+    probs, argmax_in_draft, _ = teacher.targets(last)
     torch.testing.assert_close(probs, torch.softmax(target_logits[..., :100], -1), rtol=1e-4, atol=1e-6)
     assert torch.equal(argmax_in_draft, target_logits.argmax(-1) < 100)
-    uncapped, _ = Teacher(teacher.lm_head, teacher.draft_ids)(last)
+    uncapped = Teacher(teacher.lm_head, teacher.draft_ids).targets(last)[0]
     assert not torch.allclose(uncapped, probs, rtol=1e-2, atol=1e-3)
     assert [final_logit_softcap(tiny_family_config(f).to_dict()) for f in ("gemma3", "llama3")] == [None, None]
 
@@ -198,7 +198,7 @@ def test_a_262k_vocabulary_never_makes_full_vocabulary_logits():
     draft_ids = torch.unique(torch.cat([expected[0, :100], torch.arange(5, 262144, 331)]))  # some argmaxes inside
     budget = 1 << 19  # logit elements per chunk: 2048 rows of 256 tokens
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        probs, argmax_in_draft = Teacher(head, draft_ids, chunk_elements=budget)(last)
+        probs, argmax_in_draft, _ = Teacher(head, draft_ids, chunk_elements=budget).targets(last)
         greedy = target_argmax(last, head, budget)
     largest = max(event.cpu_memory_usage for event in profiler.events())
     assert largest <= 256 * 2048 * 4 < 256 * 262144 * 4 // 100

@@ -79,10 +79,6 @@ class Teacher:
         self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
         self.in_draft[draft_ids] = True
 
-    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, argmax_in_draft, _ = self.targets(last)
-        return probs, argmax_in_draft
-
     @torch.no_grad()
     def targets(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft-vocab probabilities [..., K], whether the full-vocab argmax is in the draft, and that argmax
