@@ -8,10 +8,11 @@ at draft length k is tau(k) = 1 + mean(min(accepted, k)) (SpecForge's simulated 
 position rather than from per-step averages).
 
 What it cannot see: decoding feeds the chain the target's own greedy tokens, this estimate the data's tokens
-(ShareGPT replies, or regenerated ones); and decoding drafts only at the start of each round, just after a token
-the drafter got wrong, this estimate at every position. On the GPU example it read 0.12-0.29 above decoded
-held-out tau at k=4, ranking epochs and drafters as decoding did. Replayed on the target's own text, the same
-unrolling gives decoding's rounds exactly (benchmarks/estimate_vs_decode.py, docs/results.md).
+(ShareGPT replies, or regenerated ones); and decoding drafts only at the start of each verify step, mostly just
+after a token the drafter got wrong, this estimate at every position. On the GPU example it read 0.12-0.29 above
+decoded held-out tau at k=4, ranking epochs and drafters as decoding did where they differed by more than ~0.02.
+Replayed on the target's own text, the same unrolling gives every decoded verify step's accepted length exactly
+(benchmarks/estimate_vs_decode.py, docs/results.md).
 """
 
 from __future__ import annotations
