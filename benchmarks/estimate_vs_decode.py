@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3_pipeline.drafter.batches import collate
 from eagle3_pipeline.drafter.objective import target_argmax
 from eagle3_pipeline.drafter.offline_acceptance import accepted_lengths
 from eagle3_pipeline.prompts import load_prompts
@@ -45,9 +46,10 @@ def chain_lengths(drafter, backend: HFBackend, lm_head: torch.Tensor, ids: list[
     counts it; positions whose chain would run past the text count what fits."""
     aux, last, _ = backend.forward([np.asarray(ids)])
     length = len(ids)
-    batch = {"input_ids": torch.tensor([ids]), "valid": torch.ones(1, length, dtype=torch.bool),
-             "loss_mask": torch.ones(1, length, dtype=torch.bool), "aux": aux.flatten(-2), "last": last}
-    greedy = target_argmax(last, lm_head)
+    sequence = {"input_ids": torch.tensor(ids), "loss_mask": torch.ones(length, dtype=torch.bool),
+                "aux_hidden_states": aux[0], "last_hidden_states": last[0]}
+    batch = collate([sequence], max_seq_len=length)  # the batch training's estimate reads
+    greedy = target_argmax(batch["last"], lm_head)
     lengths = np.zeros(length, dtype=int)
     accepted, _ = accepted_lengths(drafter, batch, greedy, steps)
     lengths[: max(length - 2, 0)] = accepted.numpy()
