@@ -73,8 +73,11 @@ def job_settings(section):
 
 
 def tokenize_input(wildcards):
-    return TRAINING_CONVERSATIONS.format(shard=wildcards.shard) if config["regenerate"]["enabled"] \
-        else regenerate_input(wildcards)
+    """The regenerated shard when regeneration is on, except the selection conversations of a mixture
+    (regenerate.keep_original): the estimate then scores the data's text, as in runs without regeneration."""
+    regenerated = config["regenerate"]["enabled"] and not (
+        wildcards.shard == HELDOUT and config["regenerate"]["keep_original"])
+    return TRAINING_CONVERSATIONS.format(shard=wildcards.shard) if regenerated else regenerate_input(wildcards)
 
 
 def regenerate_input(wildcards):
@@ -128,7 +131,9 @@ def token_sampler():
                         target["trust_remote_code"], target["chat_template"]),
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
-        samples=config["regenerate"]["samples"] if config["regenerate"]["enabled"] else 1,
+        regeneration=plan_tokens.Regeneration(
+            *(config["regenerate"][k] for k in ("samples", "keep_original", "turns", "max_new_tokens")))
+        if config["regenerate"]["enabled"] else None,
     )
 
 

@@ -37,6 +37,14 @@ def copied_share(messages: list[dict[str, str]]) -> float:
     return copied / total if total else 0.0
 
 
+def repeated_ngram_share(text: str, n: int = 4) -> float:
+    """Share of a reply's word n-grams (split at whitespace) that already occurred earlier in it: how much it loops
+    (0 for a reply with none)."""
+    words = text.split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
 @dataclass(frozen=True)
 class CopyBoost:
     """Conversations whose replies copy at least `min_share` of their 4-grams from the user count `weight` times

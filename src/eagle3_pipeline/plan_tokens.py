@@ -1,16 +1,17 @@
-"""Tokens per shard before the token shards exist: a seeded sample of conversations tokenized with the
-target's own tokenizer and chat template through the tokenize stage's own function (same template, same
-truncation at data.max_seq_len, same drops), times the conversations each shard will hold.
+"""Tokens per shard before the token shards exist: a seeded sample of conversations tokenized with the target's own
+tokenizer and chat template through the tokenize stage's own function (same template, same truncation at
+data.max_seq_len, same drops), times the conversations each shard will hold.
 
-The sample comes from the conversation shards once ingest has written them (their conversation counts are
-then exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own
-code (records it drops count as dropped), scaled to the records ingest keeps and then to the training split
-as ingest makes it (data.eval_conversations and data.selection_conversations first, then
-data.train_conversations, then data.weights). Repeated ids, which ingest drops, are not seen in a sample, nor are
-the other parts and copies of held-out conversations, which the split leaves out (1-2 % of the bundled
-ShareGPT and CodeI/O with 200 + 200 held out: the plan is about that much high); with
-regeneration on, the ingested replies stand in for the regenerated ones until those exist (each counted
-`regenerate.samples` times). The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
+The sample comes from the conversation shards once ingest has written them (their conversation counts are then
+exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own code
+(records it drops count as dropped), scaled to the records ingest keeps and then to the training split as ingest
+makes it (data.eval_conversations and data.selection_conversations first, then data.train_conversations, then
+data.weights). Repeated ids, which ingest drops, are not seen in a sample, nor are the other parts and copies of
+held-out conversations, which the split leaves out (1-2 % of the bundled ShareGPT and CodeI/O with 200 + 200 held
+out: the plan is about that much high); with regeneration on, the ingested replies stand in for the regenerated ones
+until those exist: each conversation cut as a sample is (its first `regenerate.turns` replies, each at most
+`regenerate.max_new_tokens` tokens), counted `regenerate.samples` times, plus the conversation itself with
+`regenerate.keep_original`. The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
 tokenizer and the settings, so only the first plan pays for it.
 """
 
@@ -21,7 +22,7 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from eagle3_pipeline.formats import reports
 from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
 
 SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
-ESTIMATE_VERSION = 2  # bump when the way an estimate is made changes: cached ones are then ignored
+ESTIMATE_VERSION = 3  # bump when the way an estimate is made changes: cached ones are then ignored
 DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations",
              "selection_conversations", "weights", "copying_weight", "copying_min_share", "seed", "num_shards")
 
@@ -44,9 +45,6 @@ class SampledTokens:
 
     def tokens(self, shard: str) -> int:
         return round(self.conversations[shard] * self.tokens_per_conversation)
-
-    def times(self, copies: int) -> SampledTokens:
-        return replace(self, conversations={shard: n * copies for shard, n in self.conversations.items()})
 
     @property
     def label(self) -> str:
@@ -61,6 +59,36 @@ def sample_tokens(tokenizer: Any, conversations: list[dict[str, Any]], data: dic
     bound = character_bound(tokenizer, data["max_seq_len"])
     return [tokenize_or_drop(tokenizer, c, marker, bound, data["max_seq_len"], data["overlength"]).kept_tokens
             for c in conversations]
+
+
+@dataclass(frozen=True)
+class Regeneration:
+    """What the regenerate stage makes of one ingested conversation (the `regenerate` section, when on)."""
+    samples: int = 1
+    keep_original: bool = False
+    turns: int | None = None
+    max_new_tokens: int | None = None
+
+    def stand_in(self, conversation: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+        """The conversation cut as a regenerated sample is: its first `turns` replies, each cut at `max_new_tokens`
+        tokens (the data's replies stand in for the target's, which do not exist yet)."""
+        messages, replies = [], 0
+        for message in conversation["messages"]:
+            if self.turns is not None and replies >= self.turns:
+                break
+            if message["role"] == "assistant":
+                replies += 1
+                ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+                if self.max_new_tokens is not None and len(ids) > self.max_new_tokens:
+                    message = {**message, "content": tokenizer.decode(ids[:self.max_new_tokens])}
+            messages.append(message)
+        return {**conversation, "messages": messages}
+
+    def tokens(self, tokenizer: Any, conversations: list[dict[str, Any]], data: dict[str, Any]) -> list[float]:
+        """The tokens each ingested conversation becomes in the regenerated shard."""
+        stand_ins = sample_tokens(tokenizer, [self.stand_in(c, tokenizer) for c in conversations], data)
+        originals = sample_tokens(tokenizer, conversations, data) if self.keep_original else [0] * len(stand_ins)
+        return [original + self.samples * sample for original, sample in zip(originals, stand_ins, strict=True)]
 
 
 # ---------------------------------------------------------------- samples
@@ -139,7 +167,7 @@ class TokenEstimator:
     may_compute: bool = True  # False: a cached estimate or none (e.g. inside a cluster job)
     sample_size: int = SAMPLE_SIZE
     fallback: str = ""
-    samples: int = 1  # regenerate.samples with regeneration on: training conversations per ingested one
+    regeneration: Regeneration | None = None  # the regenerate section, when on
 
     def sampled_shards(self) -> list[Path] | None:
         """The conversation files to sample: the first kind every shard has; None before ingest."""
@@ -149,25 +177,23 @@ class TokenEstimator:
                 return files
         return None
 
-    def cache_key(self, shard_files: list[Path] | None) -> str:
+    def cache_key(self, shard_files: list[Path] | None, regeneration: Regeneration | None) -> str:
         where = [file_stamp(f) for f in shard_files] if shard_files else [file_stamp(p) for p in self.inputs]
         weights = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
         key = [ESTIMATE_VERSION, self.sample_size, self.shards, where, self.tokenizer.identity(),
-               {k: self.data.get(k) for k in DATA_KEYS}, weights]
+               {k: self.data.get(k) for k in DATA_KEYS}, weights, regeneration and asdict(regeneration)]
         return stable_hash(key)
 
     @cached_property
     def estimate(self) -> SampledTokens | None:
         shard_files = self.sampled_shards()
-        sampled = self.sampled(shard_files)
         read_by_tokenize = shard_files is not None and shard_files == [paths[0] for paths in self.shard_paths]
-        if sampled is None or read_by_tokenize:  # counted where every sample is
-            return sampled
-        return sampled.times(self.samples)  # ingested conversations (or raw records) stand in for their samples
+        # ingested conversations (or raw records) stand in for what regeneration will make of them
+        return self.sampled(shard_files, None if read_by_tokenize else self.regeneration)
 
-    def sampled(self, shard_files: list[Path] | None) -> SampledTokens | None:
+    def sampled(self, shard_files: list[Path] | None, regeneration: Regeneration | None) -> SampledTokens | None:
         """The estimate from `shard_files` (None: the raw inputs), from the cache when it was made before."""
-        cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files)}.json"
+        cached = self.cache_dir / "token-estimates" / f"{self.cache_key(shard_files, regeneration)}.json"
         if cached.is_file():
             return SampledTokens(**reports.read(cached))
         if not self.may_compute:
@@ -183,7 +209,8 @@ class TokenEstimator:
         print(f"Disk plan: tokenizing a sample of {self.sample_size} conversations with the target's tokenizer "
               f"(once; cached under {self.cache_dir})", file=sys.stderr)
         try:
-            result = self.from_shards(tokenizer, shard_files) if shard_files else self.from_raw(tokenizer)
+            result = self.from_shards(tokenizer, shard_files, regeneration) if shard_files \
+                else self.from_raw(tokenizer, regeneration)
         except (OSError, ValueError) as exc:  # an unreadable input: the ingest job reports it properly
             self.fallback = "characters: sample unreadable"
             print(f"Disk plan: the sample could not be read ({exc}); tokens are estimated from characters",
@@ -196,19 +223,25 @@ class TokenEstimator:
             pass
         return result
 
-    def from_shards(self, tokenizer: Any, files: list[Path]) -> SampledTokens:
+    def tokens(self, tokenizer: Any, conversations: list[dict[str, Any]],
+               regeneration: Regeneration | None) -> list[float]:
+        if regeneration is None:
+            return list(map(float, sample_tokens(tokenizer, conversations, self.data)))
+        return regeneration.tokens(tokenizer, conversations, self.data)
+
+    def from_shards(self, tokenizer: Any, files: list[Path], regeneration: Regeneration | None) -> SampledTokens:
         counts, sample = sample_from_shards(files, self.sample_size, self.data["seed"])
-        tokens = sample_tokens(tokenizer, sample, self.data)
+        tokens = self.tokens(tokenizer, sample, regeneration)
         return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},
                              sum(tokens) / max(len(tokens), 1), len(sample))
 
-    def from_raw(self, tokenizer: Any) -> SampledTokens:
+    def from_raw(self, tokenizer: Any, regeneration: Regeneration | None) -> SampledTokens:
         samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
         weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
         kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
         copying = CopyBoost.of(self.data)
         for sample in samples:
-            tokens = sample_tokens(tokenizer, sample.kept, self.data)
+            tokens = self.tokens(tokenizer, sample.kept, regeneration)
             per_record = sample.records / max(sample.sampled, 1)  # the input's records one sampled record stands for
             weight = float(weight_of.get(sample.name, 1.0))
             for conversation, count in zip(sample.kept, tokens, strict=True):

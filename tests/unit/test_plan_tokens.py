@@ -90,7 +90,8 @@ def test_the_sampled_estimate_is_within_10_percent_of_what_tokenize_writes(packa
     after = estimator(package_slice, tmp_path / "cache", [tmp_path / f"shard-{s}.jsonl" for s in SHARDS]).estimate
     assert list(after.conversations.values()) == conversations  # counted in the conversation shards
     read_by_tokenize = estimator(package_slice, tmp_path / "cache", [tmp_path / f"shard-{s}.jsonl" for s in SHARDS])
-    assert dataclasses.replace(read_by_tokenize, samples=2).estimate == after  # they hold every sample already
+    regenerated = dataclasses.replace(read_by_tokenize, regeneration=plan_tokens.Regeneration(samples=2))
+    assert regenerated.estimate == after  # they hold every sample already
     assert abs(sum(after.tokens(s) for s in SHARDS) / sum(tokens) - 1) < 0.10
     saved = next((tmp_path / "cache").glob("tokenizers/*"))  # the GGUF's tokenizer, as the target rule saves it
     assert template_hash(load_tokenizer(saved)) == template_hash(load_tokenizer(target_dir))
@@ -124,10 +125,33 @@ def test_the_same_seed_gives_the_same_estimate_and_a_job_reads_the_cached_one(pa
     assert in_a_job.estimate == first  # read from the cache: a job never tokenizes
     shutil.rmtree(tmp_path / "cache" / "token-estimates")
     assert estimator(package_slice, tmp_path / "cache").estimate == first  # made again, same sample
-    sampled_twice = dataclasses.replace(estimator(package_slice, tmp_path / "cache", may_compute=False), samples=2)
-    assert sampled_twice.estimate == first.times(2)  # regenerate.samples: 2 training conversations per ingested one
+    twice = dataclasses.replace(estimator(package_slice, tmp_path / "cache"), regeneration=plan_tokens.Regeneration(2))
+    assert twice.estimate.tokens(SHARDS[0]) == pytest.approx(2 * first.tokens(SHARDS[0]), abs=1)  # 2 samples each
     nothing_cached = estimator(package_slice, tmp_path / "elsewhere", may_compute=False)
     assert nothing_cached.estimate is None and nothing_cached.fallback == "characters: no cached sample in this job"
+
+
+def test_a_mixture_counts_the_data_and_its_regenerated_openings(package_slice, saved_gguf_tokenizer, target_dir,
+                                                                 tmp_path):
+    """regenerate.keep_original with turns 1 and 32 new tokens: each conversation plus its first exchange with the
+    reply cut at 32 tokens; the stand-in is cut where the stage would cut the target's reply."""
+    shutil.copytree(saved_gguf_tokenizer, tmp_path / "cache" / "tokenizers")
+    plain = estimator(package_slice, tmp_path / "cache").estimate
+    mixture = plan_tokens.Regeneration(samples=1, keep_original=True, turns=1, max_new_tokens=32)
+    mixed = dataclasses.replace(estimator(package_slice, tmp_path / "cache"), regeneration=mixture).estimate
+    openings = dataclasses.replace(mixture, keep_original=False)
+    alone = dataclasses.replace(estimator(package_slice, tmp_path / "cache"), regeneration=openings).estimate
+    for shard in SHARDS:
+        assert mixed.tokens(shard) == pytest.approx(plain.tokens(shard) + alone.tokens(shard), abs=2)
+        assert 0.02 * plain.tokens(shard) < alone.tokens(shard) < 0.5 * plain.tokens(shard)
+    tokenizer = load_tokenizer(target_dir)
+    conversation = {"id": "x", "messages": [{"role": "user", "content": "Tell me a long story."},
+                                            {"role": "assistant", "content": "Once upon a time " * 40},
+                                            {"role": "user", "content": "Another."},
+                                            {"role": "assistant", "content": "No."}]}
+    stand_in = mixture.stand_in(conversation, tokenizer)["messages"]
+    assert [m["role"] for m in stand_in] == ["user", "assistant"]
+    assert len(tokenizer(stand_in[1]["content"], add_special_tokens=False)["input_ids"]) == 32
 
 
 def test_without_a_tokenizer_the_plan_estimates_from_characters_and_says_so(package_slice, tmp_path):

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagle3_pipeline import assets
+from eagle3_pipeline import assets, copying
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.runtime.generation import tokenize_histories
@@ -202,6 +202,28 @@ def test_context_limit_cuts_the_conversation_before_the_turn_that_does_not_fit(t
     assert [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
 
 
+def test_a_mixture_keeps_each_conversation_and_adds_the_targets_first_reply_beside_it(tmp_path, hf_engine):
+    """keep_original + turns=1: the data's conversations unchanged, each followed by a sample that ends after the
+    target's own first reply; the first reply is the one full regeneration gives."""
+    engine = hf_engine
+    full, _ = regenerate.regenerate_conversations(CHATS, engine, engine.settings, target_prompts(engine.tokenizer),
+                                                  tmp_path / "full.jsonl", "fp", LOG, pool_size=8)
+    engine.settings = regeneration_settings(keep_original=True, turns=1)
+    kept, counts = regenerate.regenerate_conversations(
+        CHATS, engine, engine.settings, target_prompts(engine.tokenizer), tmp_path / "mixture.jsonl", "fp", LOG,
+        pool_size=8)
+    assert [c["id"] for c in kept] == ["a", "a#s1", "b", "b#s1", "c", "c#s1"]
+    assert kept[0::2] == CHATS
+    assert counts["kept"] == 3 and counts["originals_kept"] == 3 and counts["replies"] == 3
+    for sample, regenerated in zip(kept[1::2], full, strict=True):
+        assert [m["role"] for m in sample["messages"]][-1] == "assistant"
+        assert sum(m["role"] == "assistant" for m in sample["messages"]) == 1
+        first = next(i for i, m in enumerate(regenerated["messages"]) if m["role"] == "assistant")
+        assert sample["messages"] == regenerated["messages"][:first + 1]
+    assert "keep_original" in engine.settings.output_defining()  # the ids change: no resuming across it
+    assert "keep_original" not in regeneration_settings().output_defining()  # older journals stay resumable
+
+
 def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path, target_dir):
     shard = tmp_path / "shard.jsonl"
     conversation_shards.write(shard, CHATS)
@@ -327,7 +349,7 @@ def test_server_engine_times_out(tmp_path):
 
 
 def test_repeated_ngram_share_on_hand_made_replies():
-    share = regenerate.repeated_ngram_share
+    share = copying.repeated_ngram_share
     assert share("a b c d e f g h") == 0.0
     assert share("a b c") == 0.0  # too short for a 4-gram
     assert share("a b c d a b c d") == pytest.approx(1 / 5)  # 5 grams, "a b c d" seen before once

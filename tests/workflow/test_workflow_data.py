@@ -153,3 +153,14 @@ def test_regenerated_replies_feed_tokenize_and_a_killed_job_resumes(tmp_path, ta
     assert token_shards.read(results / "tokens" / "shard-heldout.zarr").attrs["conversations_in"] == len(heldout)
     assert f"{len(selection)} conversations x 1 samples" in (tmp_path / "logs/tiny/regenerate/shard-heldout.log"
                                                            ).read_text()
+    # a mixture: each training conversation as ingested, then the target's first reply beside it; the selection
+    # conversations are tokenized as ingested (no regenerate job for them)
+    config["regenerate"] |= {"samples": 1, "temperature": 0.0, "keep_original": True, "turns": 1}
+    plan = run_snakemake(tmp_path, config, "results/tiny/tokens/shard-heldout.zarr", "-n", "--forceall").stdout
+    assert "rule regenerate:" not in plan and "input: results/tiny/conversations/selection.jsonl" in plan
+    run_snakemake(tmp_path, config, "results/tiny/tokens/shard-00001.zarr")
+    ingested = conversation_shards.read(results / "conversations" / "shard-00001.jsonl")
+    mixture = conversation_shards.read(results / "regenerated" / "shard-00001.jsonl")
+    assert mixture[0::2] == ingested and [c["id"] for c in mixture[1::2]] == [f"{c['id']}#s1" for c in ingested]
+    assert all(sum(m["role"] == "assistant" for m in c["messages"]) == 1 for c in mixture[1::2])
+    assert token_shards.read(results / "tokens" / "shard-00001.zarr").attrs["conversations_in"] == 16

@@ -8,6 +8,7 @@ everything from that line on is unfinished work.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -46,3 +47,20 @@ def read_intact(path: Path) -> tuple[list[Any], int]:
             break
         end = newline + 1
     return values, end
+
+
+def resume(path: Path, fingerprint: str, log: logging.Logger) -> list[Any]:
+    """The records of a journal whose first line is {"fingerprint": ...}, written by an earlier, killed run of the
+    same job; [] when there is none. A journal written for another fingerprint is removed; a torn tail is cut off,
+    so appends start on a clean line."""
+    if not path.exists():
+        return []
+    lines, intact_bytes = read_intact(path)
+    header = lines[0] if lines and isinstance(lines[0], dict) else {}
+    if header.get("fingerprint") != fingerprint:
+        log.warning("%s: written for other input or settings; starting over", path)
+        path.unlink()
+        return []
+    with open(path, "r+b") as handle:
+        handle.truncate(intact_bytes)
+    return lines[1:]

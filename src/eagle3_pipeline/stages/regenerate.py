@@ -17,6 +17,10 @@ its own conversation (ids `<id>`, `<id>#s2`, ...). Each reply has its own seed (
 the conversation id, the sample, the turn), which the engines draw from (the HF engine per row: hf.py says what
 reproduces).
 
+Mixture: `keep_original` keeps each conversation as the data has it, its samples after it (ids `<id>#s1`, ...);
+`turns` ends each sample after its first N replies (with a short `max_new_tokens`: the opening of the target's
+answer, before a small target's greedy loops set in).
+
 Resume: finished conversations are appended to `<output>.progress.jsonl` as they finish (first line: a
 fingerprint of the input and the settings). A rerun after a kill keeps them and regenerates the rest; a
 changed input or setting discards the file. The output is written atomically at the end, in input order.
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import logs, systemic
+from eagle3_pipeline.copying import repeated_ngram_share
 from eagle3_pipeline.formats import conversation_shards, journal
 from eagle3_pipeline.logs import Progress
 from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' errors, part of this stage's contract
@@ -53,12 +58,13 @@ from eagle3_pipeline.tokenization import TemplateError, character_bound
 Prepare = Callable[[list[list[dict[str, str]]]], list[Prompt | TemplateError | None]]
 
 
-# ---------------------------------------------------------------------------------------------- driver
 @dataclass
 class _InProgress:
     index: int  # into the (conversation, sample) list: what the progress journal records
     source: dict[str, Any]
     sample: int = 1
+    turns: int | None = None  # replies to regenerate; None = every turn
+    beside_original: bool = False  # the data's conversation is kept too: every sample gets a suffix
     messages: list[dict[str, str]] = field(default_factory=list)
     cursor: int = 0
     dropped: str | None = None
@@ -67,6 +73,8 @@ class _InProgress:
     def next_history(self) -> list[dict[str, str]] | None:
         """Copy kept turns up to the next point where the assistant speaks; None when nothing is left."""
         original = self.source["messages"]
+        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
+            self.cursor = len(original)  # regenerate.turns replies: the sample ends here
         while self.cursor < len(original) and original[self.cursor]["role"] != "assistant":
             self.messages.append(dict(original[self.cursor]))
             self.cursor += 1
@@ -77,19 +85,18 @@ class _InProgress:
         self.done = True
         return None
 
-    def end_before_last_turn(self) -> None:
-        """Stop here, without the user turn just asked (it and everything after it are left out)."""
+    def end_before_last_turn(self) -> None:  # without the user turn just asked, nor anything after it
         self.messages.pop()
         self.done = True
 
     @property
     def id(self) -> str:
-        return sample_id(self.source["id"], self.sample)
+        return sample_id(self.source["id"], self.sample, self.beside_original)
 
 
-def sample_id(conversation_id: str, sample: int) -> str:
-    """Sample 1 keeps the conversation's id, sample k >= 2 is `<id>#s<k>` (data.weights' copies are `<id>#<n>`)."""
-    return conversation_id if sample == 1 else f"{conversation_id}#s{sample}"
+def sample_id(conversation_id: str, sample: int, beside_original: bool = False) -> str:
+    """`<id>#s<k>`, except sample 1 alone, which keeps `<id>` (data.weights' copies are `<id>#<n>`)."""
+    return conversation_id if sample == 1 and not beside_original else f"{conversation_id}#s{sample}"
 
 
 def reply_seed(seed: int, conversation_id: str, sample: int, turn: int) -> int:
@@ -103,7 +110,8 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
                              prepare: Prepare, progress_path: Path, fingerprint: str, log: logging.Logger,
                              pool_size: int, rolling: bool = True) -> tuple[list[dict[str, Any]], Counter]:
     """Regenerate every conversation `settings.samples` times; resumable through `progress_path`. Returns the kept
-    conversations (in input order, a conversation's samples together) and the counts.
+    conversations (in input order, a conversation's samples together, after the conversation itself with
+    keep_original) and the counts (`kept`: the regenerated samples kept).
 
     Up to `pool_size` conversations are in progress; every round asks the engine for the next reply of each.
     `rolling` refills the pool as conversations finish, so rounds stay full whatever the number of turns;
@@ -124,7 +132,8 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
                 while waiting and len(active) < pool_size:
                     index = waiting.popleft()
                     conversation, sample = work[index]
-                    active.append(_InProgress(index, conversations[conversation], sample))
+                    active.append(_InProgress(index, conversations[conversation], sample, settings.turns,
+                                              settings.keep_original))
             tokens = _advance(active, engine, settings, prepare, counts, log)
             done = [state for state in active if state.done]
             for state in done:
@@ -134,10 +143,22 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
             active = [state for state in active if not state.done]
             progress.update(len(done), tokens)
     progress.finish()
-    kept = [finished[i]["conversation"] for i in range(len(work)) if "conversation" in finished[i]]
-    counts["kept"] = len(kept)
     counts.update(f"dropped_{record['dropped']}" for record in finished.values() if "dropped" in record)
-    return kept, counts
+    return _in_input_order(conversations, work, finished, settings.keep_original, counts), counts
+
+
+def _in_input_order(conversations: list[dict[str, Any]], work: list[tuple[int, int]],
+                    finished: dict[int, dict[str, Any]], keep_original: bool, counts: Counter) -> list[dict[str, Any]]:
+    """The output: each conversation's kept samples in order, after the conversation itself with keep_original."""
+    kept: list[dict[str, Any]] = []
+    for index, (conversation, sample) in enumerate(work):
+        if keep_original and sample == 1:
+            kept.append(conversations[conversation])
+        if "conversation" in finished[index]:
+            kept.append(finished[index]["conversation"])
+            counts["kept"] += 1
+    counts["originals_kept"] = len(conversations) if keep_original else 0
+    return kept
 
 
 def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prepare: Prepare, counts: Counter,
@@ -186,13 +207,6 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prep
     return generated
 
 
-def repeated_ngram_share(text: str, n: int = 4) -> float:
-    """Share of the reply's word n-grams that already occurred earlier in it (0 for a reply with none)."""
-    words = text.split()
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
 def warn_if_repetitive(counts: Counter, settings: Settings, log: logging.Logger) -> None:
     replies = counts["replies"] + counts["cut_at_repetitive_reply"]
     looping = counts["replies_repetitive"] + counts["cut_at_repetitive_reply"]
@@ -214,19 +228,10 @@ def _finished_record(state: _InProgress) -> dict[str, Any]:
 
 
 def _load_progress(path: Path, fingerprint: str, log: logging.Logger) -> dict[int, dict[str, Any]]:
-    """Finished conversations from an earlier, killed run of the same job; a torn last line is ignored."""
-    if not path.exists():
-        return {}
-    lines, intact_bytes = journal.read_intact(path)
-    header = lines[0] if lines and isinstance(lines[0], dict) else {}
-    if header.get("fingerprint") != fingerprint:
-        log.warning("%s: written for other input or settings; starting over", path)
-        path.unlink()
-        return {}
-    finished = {record.pop("index"): record for record in lines[1:]}
-    with open(path, "r+b") as handle:  # drop the torn tail so appends start on a clean line
-        handle.truncate(intact_bytes)
-    log.info("%s: resuming with %d finished conversations", path, len(finished))
+    """Finished conversations from an earlier, killed run of the same job."""
+    finished = {record.pop("index"): record for record in journal.resume(path, fingerprint, log)}
+    if finished:
+        log.info("%s: resuming with %d finished conversations", path, len(finished))
     return finished
 
 
@@ -265,7 +270,7 @@ def run_shard(conversation_file: Path, output: Path, target_dir: Path, settings:
     kept, counts = regenerate_conversations(source, engine, settings, prepare, progress_path,
                                             fingerprint(conversation_file, settings, identity), log, pool_size)
     warn_if_repetitive(counts, settings, log)
-    systemic.check("regenerate", str(conversation_file), len(source) * settings.samples, len(kept),
+    systemic.check("regenerate", str(conversation_file), len(source) * settings.samples, counts["kept"],
                    {key: counts[key] for key in REGENERATE_FIXES}, REGENERATE_FIXES, "see the warnings above")
     conversation_shards.write(output, kept)
     progress_path.unlink()

@@ -25,6 +25,8 @@ class Settings:
     temperature: float
     top_p: float
     samples: int  # replies per conversation, each kept as its own conversation
+    keep_original: bool  # the data's conversation stays beside its regenerated samples
+    turns: int | None  # replies regenerated per conversation (the sample ends after them); None = every turn
     thinking: bool | None
     max_context_tokens: int
     batch_size: int
@@ -54,6 +56,7 @@ class Settings:
             keys.append("dtype")  # another way (auto: as before dtype counted, so such journals stay resumable)
         if self.drop_repetitive:
             keys += ["drop_repetitive", "repetition_threshold"]
+        keys += [key for key in ("keep_original", "turns") if getattr(self, key)]  # ids and lengths change
         defining = {key: getattr(self, key) for key in keys}
         if self.engine == "hf" and self.temperature > 0:  # the same seed draws other replies under another sampler
             defining["sampler"] = HF_SAMPLER
