@@ -132,7 +132,8 @@ def token_sampler():
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
         regeneration=plan_tokens.Regeneration(
-            *(config["regenerate"][k] for k in ("samples", "keep_original", "turns", "max_new_tokens")))
+            *(config["regenerate"][k] for k in ("samples", "keep_original", "turns", "max_new_tokens")),
+            config["regenerate"]["max_context_tokens"] or config["data"]["max_seq_len"])
         if config["regenerate"]["enabled"] else None,
     )
 

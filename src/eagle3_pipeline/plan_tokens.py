@@ -68,20 +68,32 @@ class Regeneration:
     keep_original: bool = False
     turns: int | None = None
     max_new_tokens: int | None = None
+    max_context_tokens: int | None = None  # null in the config: data.max_seq_len
 
     def stand_in(self, conversation: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
         """The conversation cut as a regenerated sample is: its first `turns` replies, each cut at `max_new_tokens`
-        tokens (the data's replies stand in for the target's, which do not exist yet)."""
-        messages, replies = [], 0
+        tokens, ending before a turn whose history and reply would not fit `max_context_tokens` (the data's replies
+        stand in for the target's, which do not exist yet)."""
+        from eagle3_pipeline.tokenization import TemplateError, render
+
+        messages: list[dict[str, str]] = []
         for message in conversation["messages"]:
-            if self.turns is not None and replies >= self.turns:
-                break
             if message["role"] == "assistant":
-                replies += 1
+                if self.turns is not None and sum(m["role"] == "assistant" for m in messages) >= self.turns:
+                    break
+                try:
+                    history = len(tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"])
+                except TemplateError:
+                    break
+                if self.max_context_tokens is not None and history + (self.max_new_tokens or 0) > \
+                        self.max_context_tokens:
+                    break
                 ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
                 if self.max_new_tokens is not None and len(ids) > self.max_new_tokens:
                     message = {**message, "content": tokenizer.decode(ids[:self.max_new_tokens])}
             messages.append(message)
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()  # the stage ends a sample with its last reply
         return {**conversation, "messages": messages}
 
     def tokens(self, tokenizer: Any, conversations: list[dict[str, Any]], data: dict[str, Any]) -> list[float]:

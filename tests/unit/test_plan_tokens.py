@@ -152,6 +152,8 @@ def test_a_mixture_counts_the_data_and_its_regenerated_openings(package_slice, s
     stand_in = mixture.stand_in(conversation, tokenizer)["messages"]
     assert [m["role"] for m in stand_in] == ["user", "assistant"]
     assert len(tokenizer(stand_in[1]["content"], add_special_tokens=False)["input_ids"]) == 32
+    no_room = dataclasses.replace(mixture, max_context_tokens=40)  # the template's system turn alone is longer
+    assert no_room.stand_in(conversation, tokenizer)["messages"] == []  # the stage drops such a sample
 
 
 def test_without_a_tokenizer_the_plan_estimates_from_characters_and_says_so(package_slice, tmp_path):
