@@ -6,7 +6,8 @@ which is the first run given. Regenerating arms also get their regeneration's fi
         [--logs logs] [--k 4]
 
 Decoded tau is the comparable figure: a regenerating arm's selection conversations are regenerated too, so its
-held-out estimate measures other text than the control's.
+held-out estimate measures other text than the control's (a mixture's, regenerate.keep_original, are not: its
+estimate compares).
 """
 
 from __future__ import annotations
