@@ -8,6 +8,7 @@ from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline import copying, workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 from eagle3_pipeline.layout import RunLayout
+from eagle3_pipeline.runtime.generation import Settings as RegenerateSettings
 from eagle3_pipeline.training.settings import TrainSettings
 
 
@@ -62,13 +63,18 @@ DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the
 SIZE_ONLY = {"extract": {"writer_threads"}}
 
 
-def job_settings(section):
-    """A config section as a rule's params, less `threads` and its SIZE_ONLY keys: changing a job's size must not
-    rerun it (hours of extraction or training), which Snakemake's params trigger would; nor must a train setting
-    added since a run was trained, at the value that trains as before (TrainSettings.NEUTRAL). Params are only that
-    trigger: the jobs read the whole section from the config."""
-    return {key: value for key, value in config[section].items()
+NEUTRAL = {"regenerate": RegenerateSettings.NEUTRAL}  # train: TrainSettings.shapes_weights
+
+
+def job_settings(section, overrides=None):
+    """A config section (with `overrides`) as a rule's params, less `threads` and its SIZE_ONLY keys: changing a
+    job's size must not rerun it (hours of extraction or training), which Snakemake's params trigger would; nor must
+    a setting added since a run was made, at the value that works as before (NEUTRAL). Params are that trigger:
+    the jobs read the whole section from the config (regenerate: from these params, its NEUTRAL filled in)."""
+    neutral = NEUTRAL.get(section, {})
+    return {key: value for key, value in (config[section] | (overrides or {})).items()
             if key != "threads" and key not in SIZE_ONLY.get(section, ())
+            and not (key in neutral and neutral[key] == value)
             and (section != "train" or TrainSettings.shapes_weights(key, value))}
 
 
@@ -91,8 +97,9 @@ def regenerate_input(wildcards):
 def regenerate_params(wildcards):
     """The regenerate section as the job's params. The selection conversations get one greedy reply per turn, kept
     whatever its repetition: the estimate's chain is then fed the target's own greedy tokens, as decoding is."""
-    selection = {"samples": 1, "temperature": 0.0, "repetition": {**config["regenerate"]["repetition"], "drop": False}}
-    return job_settings("regenerate") | (selection if wildcards.shard == HELDOUT else {})
+    selection = {"samples": 1, "temperature": 0.0, "turns": None,
+                 "repetition": {**config["regenerate"]["repetition"], "drop": False}}
+    return job_settings("regenerate", selection if wildcards.shard == HELDOUT else None)
 
 
 def heldout_stores(wildcards):
@@ -131,11 +138,16 @@ def token_sampler():
                         target["trust_remote_code"], target["chat_template"]),
         Path(".snakemake") / "eagle3_pipeline",
         may_compute=workflow.is_main_process,
-        regeneration=plan_tokens.Regeneration(
-            *(config["regenerate"][k] for k in ("samples", "keep_original", "turns", "max_new_tokens")),
-            config["regenerate"]["max_context_tokens"] or config["data"]["max_seq_len"])
-        if config["regenerate"]["enabled"] else None,
+        regeneration=regeneration_shape() if config["regenerate"]["enabled"] else None,
     )
+
+
+def regeneration_shape():
+    """What the regenerate stage makes of each conversation, for the disk plan before it has run."""
+    section = config["regenerate"]
+    return plan_tokens.Regeneration(
+        section["samples"], section["keep_original"], section["turns"], section["max_new_tokens"],
+        section["max_context_tokens"] or config["data"]["max_seq_len"], section["thinking"])
 
 
 @cache

@@ -39,8 +39,9 @@ DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", 
 
 @dataclass
 class SampledTokens:
-    conversations: dict[str, float]  # per shard: the conversations tokenize will read
-    tokens_per_conversation: float  # mean over the sample; a conversation tokenize drops counts 0
+    conversations: dict[str, float]  # per shard: the conversations tokenize (or, before it, regenerate) will read
+    tokens_per_conversation: float  # mean over the sample, a conversation's samples and original together; a
+    # conversation tokenize drops counts 0
     sample_size: int
 
     def tokens(self, shard: str) -> int:
@@ -69,32 +70,46 @@ class Regeneration:
     turns: int | None = None
     max_new_tokens: int | None = None
     max_context_tokens: int | None = None  # null in the config: data.max_seq_len
+    thinking: bool | None = None  # the chat template's enable_thinking (null: the template's default)
 
     def stand_in(self, conversation: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-        """The conversation cut as a regenerated sample is: its first `turns` replies, each cut at `max_new_tokens`
-        tokens, ending before a turn whose history and reply would not fit `max_context_tokens` (the data's replies
-        stand in for the target's, which do not exist yet)."""
-        from eagle3_pipeline.tokenization import TemplateError, render
-
-        messages: list[dict[str, str]] = []
-        for message in conversation["messages"]:
-            if message["role"] == "assistant":
-                if self.turns is not None and sum(m["role"] == "assistant" for m in messages) >= self.turns:
-                    break
-                try:
-                    history = len(tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"])
-                except TemplateError:
-                    break
-                if self.max_context_tokens is not None and history + (self.max_new_tokens or 0) > \
-                        self.max_context_tokens:
-                    break
-                ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
-                if self.max_new_tokens is not None and len(ids) > self.max_new_tokens:
-                    message = {**message, "content": tokenizer.decode(ids[:self.max_new_tokens])}
-            messages.append(message)
+        """The conversation cut as the regenerate stage cuts a sample: its first `turns` replies (replies in a row
+        count as one), each cut at `max_new_tokens` tokens, ending before a turn whose history and reply would not
+        fit `max_context_tokens`. The data's replies stand in for the target's, which do not exist yet."""
+        source, messages, replies, i = conversation["messages"], [], 0, 0
+        while i < len(source) and (self.turns is None or replies < self.turns):
+            while i < len(source) and source[i]["role"] != "assistant":
+                messages.append(source[i])
+                i += 1
+            reply = source[i] if i < len(source) else None  # a trailing user turn: no stand-in for its reply
+            while i < len(source) and source[i]["role"] == "assistant":
+                i += 1
+            if reply is None or not messages or not self.fits(messages, tokenizer):
+                break
+            messages.append(self.cut(reply, tokenizer))
+            replies += 1
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()  # the stage ends a sample with its last reply
         return {**conversation, "messages": messages}
+
+    def fits(self, history: list[dict[str, str]], tokenizer: Any) -> bool:
+        from eagle3_pipeline.tokenization import TemplateError, render
+
+        if self.max_context_tokens is None:
+            return True
+        kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking}
+        try:
+            text = render(tokenizer, history, True, **kwargs)
+        except TemplateError:
+            return False
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (self.max_new_tokens or 0) <= \
+            self.max_context_tokens
+
+    def cut(self, reply: dict[str, str], tokenizer: Any) -> dict[str, str]:
+        ids = tokenizer(reply["content"], add_special_tokens=False)["input_ids"]
+        if self.max_new_tokens is None or len(ids) <= self.max_new_tokens:
+            return reply
+        return {**reply, "content": tokenizer.decode(ids[:self.max_new_tokens])}
 
     def tokens(self, tokenizer: Any, conversations: list[dict[str, Any]], data: dict[str, Any]) -> list[float]:
         """The tokens each ingested conversation becomes in the regenerated shard."""

@@ -154,6 +154,12 @@ def test_a_mixture_counts_the_data_and_its_regenerated_openings(package_slice, s
     assert len(tokenizer(stand_in[1]["content"], add_special_tokens=False)["input_ids"]) == 32
     no_room = dataclasses.replace(mixture, max_context_tokens=40)  # the template's system turn alone is longer
     assert no_room.stand_in(conversation, tokenizer)["messages"] == []  # the stage drops such a sample
+    in_a_row = {"id": "y", "messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+                                        {"role": "assistant", "content": "How can I help?"},
+                                        {"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2"},
+                                        {"role": "user", "content": "More."}]}
+    two_turns = dataclasses.replace(mixture, turns=2).stand_in(in_a_row, tokenizer)["messages"]
+    assert [m["content"] for m in two_turns] == ["Hi.", "Hello.", "Count.", "1 2"]  # replies in a row: one turn
 
 
 def test_without_a_tokenizer_the_plan_estimates_from_characters_and_says_so(package_slice, tmp_path):

@@ -222,6 +222,13 @@ def test_a_mixture_keeps_each_conversation_and_adds_the_targets_first_reply_besi
         assert sample["messages"] == regenerated["messages"][:first + 1]
     assert "keep_original" in engine.settings.output_defining()  # the ids change: no resuming across it
     assert "keep_original" not in regeneration_settings().output_defining()  # older journals stay resumable
+    assert regeneration_settings(turns=2).output_defining() != regeneration_settings(turns=1).output_defining()
+    engine.settings = regeneration_settings(keep_original=True, samples=2, temperature=1.0, max_new_tokens=4)
+    kept, counts = regenerate.regenerate_conversations(
+        CHATS[:2], engine, engine.settings, target_prompts(engine.tokenizer), tmp_path / "two.jsonl", "fp", LOG,
+        pool_size=8)
+    assert [c["id"] for c in kept] == ["a", "a#s1", "a#s2", "b", "b#s1", "b#s2"] and counts["kept"] == 4
+    assert kept[0] == CHATS[0] and kept[3] == CHATS[1]
 
 
 def test_rerun_resumes_from_progress_and_a_changed_setting_starts_over(tmp_path, target_dir):

@@ -161,3 +161,15 @@ def test_from_section_names_a_missing_key_an_unknown_one_and_a_stray_given():
     with pytest.raises(TypeError, match=r"no fields \['colour'\]"):
         from_section(Example, {"name": "a", "server": {"url": None}, "sizes": []}, trust_remote_code=False,
                      colour="red")
+
+
+def test_settings_left_out_of_params_at_their_neutral_value_are_the_schema_defaults():
+    """A setting added after runs were made is left out of its rule's params at its neutral value (so finished jobs
+    do not rerun); the neutral value must be the default, and the regenerate job must fill it back in."""
+    config = embedded_config()
+    for section, neutral in (("train", train.TrainSettings.NEUTRAL), ("regenerate", regenerate.Settings.NEUTRAL)):
+        assert {key: config[section][key] for key in neutral} == neutral, section
+    without = {key: value for key, value in config["regenerate"].items() if key not in regenerate.Settings.NEUTRAL}
+    max_seq_len = config["data"]["max_seq_len"]
+    assert regenerate.regenerate_settings(without, max_seq_len) == \
+        regenerate.regenerate_settings(config["regenerate"], max_seq_len)

@@ -144,11 +144,13 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
             progress.update(len(done), tokens)
     progress.finish()
     counts.update(f"dropped_{record['dropped']}" for record in finished.values() if "dropped" in record)
-    return _in_input_order(conversations, work, finished, settings.keep_original, counts), counts
+    counts["kept"] = sum("conversation" in record for record in finished.values())
+    counts["originals_kept"] = len(conversations) if settings.keep_original else 0
+    return _in_input_order(conversations, work, finished, settings.keep_original), counts
 
 
 def _in_input_order(conversations: list[dict[str, Any]], work: list[tuple[int, int]],
-                    finished: dict[int, dict[str, Any]], keep_original: bool, counts: Counter) -> list[dict[str, Any]]:
+                    finished: dict[int, dict[str, Any]], keep_original: bool) -> list[dict[str, Any]]:
     """The output: each conversation's kept samples in order, after the conversation itself with keep_original."""
     kept: list[dict[str, Any]] = []
     for index, (conversation, sample) in enumerate(work):
@@ -156,8 +158,6 @@ def _in_input_order(conversations: list[dict[str, Any]], work: list[tuple[int, i
             kept.append(conversations[conversation])
         if "conversation" in finished[index]:
             kept.append(finished[index]["conversation"])
-            counts["kept"] += 1
-    counts["originals_kept"] = len(conversations) if keep_original else 0
     return kept
 
 
@@ -286,7 +286,7 @@ def run(conversation_file: Path, target_dir: Path, output: Path, settings: Setti
 
 def regenerate_settings(section: dict[str, Any], max_seq_len: int, trust_remote_code: bool = False) -> Settings:
     """The `regenerate` section as the engines read it; max_context_tokens null means data.max_seq_len."""
-    return from_section(Settings, section, trust_remote_code=trust_remote_code,
+    return from_section(Settings, {**Settings.NEUTRAL, **section}, trust_remote_code=trust_remote_code,
                         max_context_tokens=section["max_context_tokens"] or max_seq_len)
 
 

@@ -7,7 +7,7 @@ backoff and timeouts). The settings are the `regenerate` rule's (stages/regenera
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from eagle3_pipeline.settings import setting
 from eagle3_pipeline.tokenization import TemplateError, render
@@ -46,6 +46,9 @@ class Settings:
     repetition_threshold: float = setting(key="repetition.threshold")
     drop_repetitive: bool = setting(key="repetition.drop")
     trust_remote_code: bool
+    # settings added after runs were regenerated, at the value that regenerates as before: left out of the rule's
+    # params at that value (Snakemake's params trigger would rerun finished jobs) and filled in from here
+    NEUTRAL: ClassVar[dict[str, object]] = {"keep_original": False, "turns": None}
 
     def output_defining(self) -> dict[str, Any]:
         """The settings that change what is generated (not how fast): they decide whether to resume."""
