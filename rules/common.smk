@@ -9,6 +9,7 @@ from eagle3_pipeline import copying, workflow_config
 from eagle3_pipeline.formats.target_dir import is_materialised
 from eagle3_pipeline.layout import RunLayout
 from eagle3_pipeline.runtime.generation import Settings as RegenerateSettings
+from eagle3_pipeline.stages.regenerate import regenerate_settings
 from eagle3_pipeline.training.settings import TrainSettings
 
 
@@ -58,12 +59,10 @@ DATA_PARAMS = copying.rule_params(config["data"])  # the data rules' params: the
 
 
 # a section's keys besides `threads` that size a job or its logs but not its output (the job reads them from the config);
-# extract's are named here, not on its stage's Settings: that module loads torch, which planning must not. train's are
-# TrainSettings.SIZE_ONLY, which TrainSettings.shapes_weights applies with the neutral settings
-SIZE_ONLY = {"extract": {"writer_threads"}}
-
-
-NEUTRAL = {"regenerate": RegenerateSettings.NEUTRAL}  # train: TrainSettings.shapes_weights
+# extract's are named here, not on its stage's Settings: that module loads torch, which planning must not
+SIZE_ONLY = {"extract": {"writer_threads"}, "train": TrainSettings.SIZE_ONLY}
+# settings added since runs were made, at the value that works as before: left out of the params at that value
+NEUTRAL = {"train": TrainSettings.NEUTRAL, "regenerate": RegenerateSettings.NEUTRAL}
 
 
 def job_settings(section, overrides=None):
@@ -74,8 +73,7 @@ def job_settings(section, overrides=None):
     neutral = NEUTRAL.get(section, {})
     return {key: value for key, value in (config[section] | (overrides or {})).items()
             if key != "threads" and key not in SIZE_ONLY.get(section, ())
-            and not (key in neutral and neutral[key] == value)
-            and (section != "train" or TrainSettings.shapes_weights(key, value))}
+            and not (key in neutral and neutral[key] == value)}
 
 
 def tokenize_input(wildcards):
@@ -144,10 +142,9 @@ def token_sampler():
 
 def regeneration_shape():
     """What the regenerate stage makes of each conversation, for the disk plan before it has run."""
-    section = config["regenerate"]
-    return plan_tokens.Regeneration(
-        section["samples"], section["keep_original"], section["turns"], section["max_new_tokens"],
-        section["max_context_tokens"] or config["data"]["max_seq_len"], section["thinking"])
+    settings = regenerate_settings(config["regenerate"], config["data"]["max_seq_len"])
+    return plan_tokens.Regeneration(settings.samples, settings.keep_original, settings.turns,
+                                    settings.max_new_tokens, settings.max_context_tokens, settings.thinking)
 
 
 @cache
