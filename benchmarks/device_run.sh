@@ -51,6 +51,8 @@
 #   benches   bench_train.py on GPU 0 while bench_extract.py --only-big runs on GPU 1. The device copy has no git
 #             history: carry the baseline as .bench-baseline (git archive COMMIT src/eagle3_pipeline config | tar -x
 #             -C .bench-baseline, ignored in .git/info/exclude); $BENCH_TRAIN_ARGS adds arguments (--only example)
+#   evaluate  the tau pass alone, on a drafter that an earlier session's `single` call trained and brought back
+#             ($DRAFTER, as trees): the run of the example plus $SECOND, with only ingest, target and evaluate allowed
 #   ddp       benchmarks/compare_ddp.py (1 vs 2 GPUs) on the example's hidden stores
 #   trees     a trained drafter carried in ($DRAFTER: a folder with an earlier `single` call's drafter-part-*,
 #             drafter.sha256 and its serving config.json), timed without a pipeline run: the CUDA-only test modules,
@@ -483,6 +485,25 @@ case $stage in
     quiet "$out/trees.txt" | grep -v "^timing pass" | tail -20
     keep_compile_cache
     exit 0
+    ;;
+  evaluate)
+    # the tau pass of the run that the example plus $SECOND names, on a drafter carried in ($DRAFTER, as trees: an
+    # earlier `single` call's drafter-part-*, drafter.sha256 and config.json), with no data stage and no training: for
+    # a run whose training ended in a session with no time left for its tau pass. Its serving directory is put in
+    # place, and snakemake may run only the rules the tau pass needs (ingest: the held-out prompts; target;
+    # evaluate), towards the results of $PROMPT_SETS (default: the example's three). The same command resumes.
+    serving=$(served_drafter) || exit 1
+    run_dir=results/$second_name
+    [ -e "$run_dir/serving/drafter" ] || { mkdir -p "$run_dir/serving"; cp -r "$serving" "$run_dir/serving/drafter"; }
+    targets=()
+    for set in ${PROMPT_SETS:-mtbench-package held-out humaneval-package}; do
+      targets+=("$run_dir/evaluation/$set.json")
+    done
+    snakemake_for "${second[@]}" --allowed-rules ingest target evaluate
+    cmd=("${cmd[@]:0:3}" "${targets[@]}" "${cmd[@]:3}")  # the targets before the options that take lists
+    "${cmd[@]}" --unlock >/dev/null 2>&1
+    timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" >> "$out/$second_name.log" 2>&1
+    echo "$second_name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$second_name.log"
     ;;
   ddp)
     mkdir -p /tmp/ddp

@@ -7,6 +7,7 @@ import base64
 import csv
 import json
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -167,3 +168,22 @@ def test_a_killed_evaluation_resumes_with_the_prompts_it_finished(finished_tiny_
         if trace["prompt_id"] in before:
             assert trace["total_seconds"] == before[trace["prompt_id"]][trace["method"]]["total_seconds"]
     assert not progress.exists()
+
+
+def decoded(evaluation: dict) -> list[tuple]:
+    """What the tau pass decided, without its timings: each prompt's and method's tokens and accepted counts."""
+    return sorted((t["prompt_id"], t["method"], t["tokens"], t["accepted"], t["drafted"]) for t in evaluation["traces"])
+
+
+def test_the_tau_pass_alone_evaluates_a_copied_drafter_as_its_run_did(finished_tiny_run, tmp_path):
+    # another machine, or the stores deleted: the exported drafter alone, no Snakemake records of the run
+    workdir = tmp_path / "elsewhere"
+    shutil.copytree(finished_tiny_run.results / "serving", workdir / "results" / "tiny" / "serving")
+    outputs = [f"results/tiny/evaluation/{name}.json" for name in ("mtbench-package", "held-out")]
+    result = run_snakemake(workdir, finished_tiny_run.config, *outputs,
+                           "--allowed-rules", "ingest", "target", "evaluate")
+    assert not {"tokens", "hidden", "vocab", "train"} & {p.name for p in (workdir / "results" / "tiny").iterdir()}
+    assert "rule train" not in result.stdout + result.stderr
+    for output in outputs:
+        assert decoded(json.loads((workdir / output).read_text())) == decoded(
+            json.loads((finished_tiny_run.workdir / output).read_text()))
