@@ -118,14 +118,18 @@ pipeline() {  # pipeline NAME OVERLAYS...: run to the end (or the deadline), the
   if [ "${DETACH:-0}" = 1 ]; then
     detached "$name" || return 0
   else
-    # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
-    # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
-    timeout -k 20 $left "${cmd[@]}" >> "$run_logs/$name.log" 2>&1
-    echo "$name: snakemake exit $? at $SECONDS s"; tail -3 "$run_logs/$name.log"
+    until_deadline "$name"
   fi
   if [ "${REPORT:-1}" = 1 ] && "${cmd[@]}" -n 2>/dev/null | grep -q "Nothing to be done"; then
     "${cmd[@]}" --report "$out/$name-report.html" >> "$run_logs/$name.log" 2>&1 && echo "$name: report written"
   fi
+}
+
+until_deadline() {  # until_deadline NAME: $cmd until this call's deadline, its output in NAME's log
+  # SIGTERM first (snakemake marks its jobs incomplete), SIGKILL 20 s later: on an H200
+  # snakemake outlived a plain `timeout` by over 30 s and the call lost its results
+  timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" >> "$run_logs/$1.log" 2>&1
+  echo "$1: snakemake exit $? at $SECONDS s"; tail -3 "$run_logs/$1.log"
 }
 
 detached() {  # detached NAME: $cmd in a process session of its own (setsid), which the device lets run on after the
@@ -502,8 +506,7 @@ case $stage in
     snakemake_for "${second[@]}" --allowed-rules ingest target evaluate
     cmd=("${cmd[@]:0:3}" "${targets[@]}" "${cmd[@]:3}")  # the targets before the options that take lists
     "${cmd[@]}" --unlock >/dev/null 2>&1
-    timeout -k 20 $((deadline - SECONDS)) "${cmd[@]}" >> "$out/$second_name.log" 2>&1
-    echo "$second_name: snakemake exit $? at $SECONDS s"; tail -3 "$out/$second_name.log"
+    until_deadline "$second_name"
     ;;
   ddp)
     mkdir -p /tmp/ddp
