@@ -209,7 +209,4 @@ onstart:
             f"Set plan.target_hidden_size, or materialise the target first: snakemake {TARGET_DIR}"
         )
     if not plan_now.fits_for(rules_now) and not config["plan"]["allow_exceeding_free_space"]:
-        raise SystemExit(
-            "Refusing to start: the disk plan exceeds free space. Free space, lower data.train_conversations "
-            "or data.max_seq_len, or set plan.allow_exceeding_free_space: true."
-        )
+        raise SystemExit(plan_now.refusal(rules_now, DRAFT_VOCAB))

@@ -204,6 +204,20 @@ class DiskPlan:
     def fits(self) -> bool:
         return self.fits_for(None)
 
+    def refusal(self, rules: set[str] | None, data_stage_target: str) -> str:
+        """Why a run will not start when its plan exceeds free space, and what the user can do about it."""
+        message = (f"Refusing to start: the disk plan exceeds free space ({human_bytes(self.pending_for(rules))} "
+                   f"to write, {human_bytes(self.free)} free).")
+        hidden = next((s for s in self.stages if s.stage == "hidden"), None)
+        if hidden is not None and self._needed("hidden", rules) and hidden.source != "exact":
+            partly = " partly" if hidden.source.startswith("exact+") else ""
+            message += (f" The hidden stores are sized{partly} from an {hidden.source.removeprefix('exact+')}, "
+                        f"which can be several percent off: the same command with the target {data_stage_target} "
+                        "runs the data stage alone (no hidden stores) and makes the token counts exact.")
+        return message + (" Otherwise free space, store fp8 states (extract.store_dtype), train in windows under "
+                          "plan.disk_budget_gb, lower data.train_conversations or data.max_seq_len, or set "
+                          "plan.allow_exceeding_free_space: true.")
+
     def blind_for(self, rules: set[str] | None = None) -> bool:
         """True when extraction will run but the hidden stage could not be sized."""
         return self.hidden_size_unknown and self._needed("hidden", rules)

@@ -32,12 +32,20 @@ def test_the_data_stage_alone_passes_the_preflight_that_refuses_the_whole_run(tm
     config = tiny_plan_config(tmp_path, target_dir, expected_compression=1.0e-12)
     whole = run_snakemake(tmp_path, config, check=False)
     assert whole.returncode != 0 and "Refusing to start: the disk plan exceeds free space" in whole.stderr
+    # the estimate's uncertainty and the way to an exact plan: the data stage alone
+    assert "sized from an estimate (sample of" in whole.stderr
+    assert "the same command with the target results/tiny/vocab/draft_vocab.safetensors" in whole.stderr
     assert not (tmp_path / "results" / "tiny").exists()  # refused before any job
     data_only = run_snakemake(tmp_path, config, "results/tiny/vocab/draft_vocab.safetensors")
     assert "(stages this run needs)" in data_only.stderr and "-> fits" in data_only.stderr
     hidden_row = next(line for line in data_only.stderr.splitlines() if line.strip().startswith("hidden"))
     assert "not run" in hidden_row
     assert (tmp_path / "results/tiny/vocab/draft_vocab.safetensors").is_file()
+    # with the token shards written the plan is exact: the refusal stands, without the estimate's advice
+    exact = run_snakemake(tmp_path, config, check=False)
+    assert exact.returncode != 0 and "Refusing to start: the disk plan exceeds free space" in exact.stderr
+    hidden_row = next(line for line in exact.stderr.splitlines() if line.strip().startswith("hidden"))
+    assert hidden_row.rstrip().endswith("exact") and "sized from an estimate" not in exact.stderr
 
 
 def planned_jobs(tmp_path, config: dict, *args: str) -> dict[str, int]:
