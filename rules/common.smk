@@ -183,8 +183,13 @@ def current_plan():
 
 def rules_to_run():
     # The DAG exists when onstart runs (internal API): the preflight counts only the stages this run executes.
+    # --omit-from deletes the jobs it omits; --until keeps them in the DAG and runs only the named jobs and theirs.
     try:
-        return {job.rule.name for job in workflow.dag.needrun_jobs()}
+        dag = workflow.dag
+        jobs = set(dag.needrun_jobs())
+        if dag.untilrules or dag.untilfiles:
+            jobs &= set(dag.bfs(dag.dependencies, *dag.until_jobs()))
+        return {job.rule.name for job in jobs}
     except AttributeError:
         return None
 

@@ -48,6 +48,16 @@ def test_the_data_stage_alone_passes_the_preflight_that_refuses_the_whole_run(tm
     assert hidden_row.rstrip().endswith("exact") and "sized from an estimate" not in exact.stderr
 
 
+def test_until_beside_omit_from_is_planned_as_the_stages_it_runs(tmp_path, target_dir):
+    # With --omit-from beside it, --until leaves every later job in Snakemake's DAG (Snakemake 9 then ends with
+    # "Out of jobs ready to be started" once the named jobs are done); the preflight must not count their stages.
+    config = tiny_plan_config(tmp_path, target_dir, expected_compression=1.0e-12)
+    until = run_snakemake(tmp_path, config, "--until", "tokenize", "--omit-from", "export", check=False)
+    assert "Refusing to start" not in until.stderr and "-> fits" in until.stderr, until.stderr[-2000:]
+    assert (tmp_path / "results/tiny/tokens/shard-00000.zarr").is_dir()
+    assert not (tmp_path / "results/tiny/hidden").exists()
+
+
 def planned_jobs(tmp_path, config: dict, *args: str) -> dict[str, int]:
     result = run_snakemake(tmp_path, config, "-n", *args)
     return {name: int(count) for name, count in re.findall(r"^(\w+)\s+(\d+)$", result.stdout, flags=re.M)}
