@@ -419,7 +419,13 @@ case $stage in
     snakemake_for "${second[@]}"
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
       "${cmd[@]}" --unlock >/dev/null 2>&1
-      "${cmd[@]}" -n 2>&1 | grep -A6 "Disk plan" > "$out/plan.txt"; cat "$out/plan.txt"
+      # ingest first (seconds): the run's disk check then samples the ingested conversations, not the raw records
+      # (the openings overlay: 29.16 M tokens planned against 30.59 M, 28.67 M counted)
+      [ -e "results/$second_name/conversations/ingest_report.json" ] \
+        || { mkdir -p logs; "${cmd[@]:0:3}" "results/$second_name/conversations/ingest_report.json" \
+               "results/$second_name/target" "${cmd[@]:3}" > "logs/$second_name-ingest.txt" 2>&1; }
+      "${cmd[@]}" -n 2>&1 | grep -A8 "Disk plan (bytes" > "$out/plan.txt"; cat "$out/plan.txt"
+      df -h . | tail -1
     fi
     pipeline "$second_name" "${second[@]}"
     [ -n "${smoke:-}" ] && { wait "$smoke"; grep -v "Warning\|warn" logs/vllm-smoke.txt | tail -25; }
