@@ -195,10 +195,10 @@ def rules_to_run():
 
 
 def hidden_store_mb(wildcards):
-    hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
-    if not hidden or wildcards.shard == HELDOUT:  # the held-out store is small and not planned per shard
+    hidden = current_plan().hidden
+    if hidden is None or wildcards.shard == HELDOUT:  # the held-out store is small and not planned per shard
         return 1
-    return max(1, hidden[0].shard_bytes(wildcards.shard) // 1_000_000)
+    return max(1, hidden.shard_bytes(wildcards.shard) // 1_000_000)
 
 
 # `snakemake -n` prints the disk plan from rules/windows.smk, once the disk budget's window plan is known.

@@ -16,11 +16,10 @@ def window_plan():
     budget = config["plan"]["disk_budget_gb"]
     if budget is None:
         return None
-    hidden = [stage for stage in current_plan().stages if stage.stage == "hidden"]
-    if not hidden:
+    stage = current_plan().hidden
+    if stage is None:
         sys.exit("Config error: plan.disk_budget_gb needs the hidden stores' size: set plan.target_hidden_size, "
                  f"or materialise the target first: snakemake {TARGET_DIR}")
-    stage = hidden[0]
     heldout_tokens, heldout_exact = plan_windows.heldout_tokens(
         Path(TOKEN_SHARD.format(shard=HELDOUT)), Path(SELECTION_CONVERSATIONS),
         config["data"]["selection_conversations"], config["data"]["max_seq_len"])

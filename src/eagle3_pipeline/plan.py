@@ -59,11 +59,18 @@ class StagePlan:
         return int(shard.tokens * self.expected_bytes_per_token)
 
     @property
-    def source(self) -> str:
-        kinds = {s.exact for s in self.shards}
+    def estimate(self) -> str | None:
+        """How the estimated shards were sized, e.g. "estimate (sample of 400)"; None when every count is exact."""
+        if all(s.exact for s in self.shards):
+            return None
         methods = sorted({s.method for s in self.shards if not s.exact and s.method})
-        how = f" ({', '.join(methods)})" if methods else ""
-        return "exact" if kinds == {True} else f"estimate{how}" if kinds == {False} else f"exact+estimate{how}"
+        return "estimate" + (f" ({', '.join(methods)})" if methods else "")
+
+    @property
+    def source(self) -> str:
+        if self.estimate is None:
+            return "exact"
+        return self.estimate if not any(s.exact for s in self.shards) else f"exact+{self.estimate}"
 
 
 def hidden_bytes_per_token(hidden_size: int, compression: float | None,
@@ -180,6 +187,11 @@ class DiskPlan:
     hidden_size_unknown: bool = False
     hidden_peak: int | None = None  # under a disk budget's windows: the most hidden-store bytes at once
 
+    @property
+    def hidden(self) -> StagePlan | None:
+        """The hidden stores' stage; None when the target's hidden size is unknown."""
+        return next((s for s in self.stages if s.stage == "hidden"), None)
+
     def _needed(self, stage: str, rules: set[str] | None) -> bool:
         rule = "extract_window" if stage == "hidden" and self.hidden_peak is not None else STAGE_RULES[stage]
         return rules is None or rule in rules
@@ -208,10 +220,10 @@ class DiskPlan:
         """Why a run will not start when its plan exceeds free space, and what the user can do about it."""
         message = (f"Refusing to start: the disk plan exceeds free space ({human_bytes(self.pending_for(rules))} "
                    f"to write, {human_bytes(self.free)} free).")
-        hidden = next((s for s in self.stages if s.stage == "hidden"), None)
-        if hidden is not None and self._needed("hidden", rules) and hidden.source != "exact":
-            partly = " partly" if hidden.source.startswith("exact+") else ""
-            message += (f" The hidden stores are sized{partly} from an {hidden.source.removeprefix('exact+')}, "
+        hidden = self.hidden
+        if hidden is not None and self._needed("hidden", rules) and hidden.estimate is not None:
+            partly = " partly" if any(s.exact for s in hidden.shards) else ""
+            message += (f" The hidden stores are sized{partly} from an {hidden.estimate}, "
                         f"which can be several percent off: the same command with the target {data_stage_target} "
                         "runs the data stage alone (no hidden stores) and makes the token counts exact.")
         return message + (" Otherwise free space, store fp8 states (extract.store_dtype), train in windows under "
