@@ -420,7 +420,7 @@ case $stage in
     if [ ! -e "/tmp/e3-detached/$second_name/pid" ]; then  # not while a detached run holds the locks
       "${cmd[@]}" --unlock >/dev/null 2>&1
       # ingest first (seconds): the run's disk check then samples the ingested conversations, not the raw records
-      # (the openings overlay: 29.16 M tokens planned against 30.59 M, 28.67 M counted); the targets go before
+      # (the openings overlay: 29.16 M tokens planned against 30.23 M, 28.67 M counted); the targets go before
       # $cmd's options (python3 -m snakemake), since --resources and --omit-from take lists
       [ -e "results/$second_name/conversations/ingest_report.json" ] \
         || { mkdir -p logs; "${cmd[@]:0:3}" "results/$second_name/conversations/ingest_report.json" \

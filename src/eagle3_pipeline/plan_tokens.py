@@ -5,11 +5,8 @@ data.max_seq_len, same drops), times the conversations each shard will hold.
 The sample comes from the conversation shards once ingest has written them (their conversation counts are then
 exact); before that from the raw inputs: a seeded sample of records read and normalised by ingest's own code
 (records it drops count as dropped), scaled to the records ingest keeps and then to the training split as ingest
-makes it (data.eval_conversations and data.selection_conversations first, then data.train_conversations, then
-data.weights). Repeated ids, which ingest drops, are not seen in a sample, nor are the other parts and copies of
-held-out conversations, which the split leaves out (1-2 % of the bundled ShareGPT and CodeI/O with 200 + 200 held
-out: the plan is about that much high); with regeneration on, the ingested replies stand in for the regenerated ones
-until those exist: each conversation cut as a sample is (its first `regenerate.turns` replies, each at most
+makes it (plan_samples). With regeneration on, the ingested replies stand in for the regenerated ones until those
+exist: each conversation cut as a sample is (its first `regenerate.turns` replies, each at most
 `regenerate.max_new_tokens` tokens), counted `regenerate.samples` times, plus the conversation itself with
 `regenerate.keep_original`. The estimate is cached under `cache_dir`, keyed by the inputs' sizes and times, the
 tokenizer and the settings, so only the first plan pays for it.
@@ -19,9 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -29,10 +24,11 @@ from typing import Any
 
 from eagle3_pipeline.copying import CopyBoost
 from eagle3_pipeline.formats import reports
+from eagle3_pipeline.plan_samples import sample_from_raw, sample_from_shards, split_counts, training_conversations
 from eagle3_pipeline.plan_tokenizer import NoTokenizer, TokenizerSource, file_stamp
 
 SAMPLE_SIZE = 400  # seven seeds on the GPU example: 0.98-1.04 of the exact count; ~8 s to tokenize on one core
-ESTIMATE_VERSION = 3  # bump when the way an estimate is made changes: cached ones are then ignored
+ESTIMATE_VERSION = 4  # bump when the way an estimate is made changes: cached ones are then ignored
 DATA_KEYS = ("max_seq_len", "overlength", "end_of_turn", "train_conversations", "eval_conversations",
              "selection_conversations", "weights", "copying_weight", "copying_min_share", "seed", "num_shards")
 
@@ -116,67 +112,6 @@ class Regeneration:
         stand_ins = sample_tokens(tokenizer, [self.stand_in(c, tokenizer) for c in conversations], data)
         originals = sample_tokens(tokenizer, conversations, data) if self.keep_original else [0] * len(stand_ins)
         return [original + self.samples * sample for original, sample in zip(originals, stand_ins, strict=True)]
-
-
-# ---------------------------------------------------------------- samples
-
-def sample_from_shards(paths: list[Path], count: int, seed: int) -> tuple[list[int], list[dict[str, Any]]]:
-    """(conversations per shard, a seeded sample of them) from conversation shards (formats/conversation_shards)."""
-    lines = [[line for line in p.read_bytes().split(b"\n") if line.strip()] for p in paths]
-    pooled = [line for shard in lines for line in shard]  # shards are dealt round-robin: one population
-    chosen = sorted(random.Random(seed).sample(range(len(pooled)), min(count, len(pooled))))
-    return list(map(len, lines)), [json.loads(pooled[i]) for i in chosen]
-
-
-def record_reader(path: Path) -> tuple[int, Callable[[int], list[Any]]]:
-    """(records in the input, record index -> its RawRecord) with ingest's reader; only sampled records are
-    parsed, except in a one-line JSON array, which is parsed whole."""
-    from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_records_in, read_input
-
-    data = read_input(path)
-    slices = RecordSlices.of(data)
-    if slices is None:
-        records = list(iter_records_in(path, data, DropReport()))
-        return len(records), lambda index: [records[index]]
-    return len(slices), lambda index: list(iter_records_in(path, slices[index], DropReport()))
-
-
-@dataclass
-class InputSample:
-    name: str  # the input's file name: what data.weights are matched by
-    records: int
-    sampled: int
-    kept: list[dict[str, Any]]  # the sampled records ingest keeps, normalised
-
-
-def sample_from_raw(inputs: list[Path], count: int, seed: int) -> list[InputSample]:
-    """A seeded sample of each input's records, `count` in all, each input's share its share of the records
-    (an input's records are counted exactly, so only its keep rate and its tokens are sampled)."""
-    from eagle3_pipeline.conversations import normalize_record
-    from eagle3_pipeline.raw_records import DropReport
-
-    readers = [record_reader(path) for path in inputs]
-    total, rng, samples = sum(size for size, _ in readers), random.Random(seed), []
-    for path, (size, read) in zip(inputs, readers, strict=True):
-        share = min(size, max(1, round(count * size / total))) if size else 0
-        kept, report = [], DropReport()
-        for index in sorted(rng.sample(range(size), share)):
-            kept += [c for c in (normalize_record(r, report) for r in read(index)) if c is not None]
-        samples.append(InputSample(path.name, size, share, kept))
-    return samples
-
-
-def split_counts(total: int, num_shards: int) -> list[int]:
-    """Conversations per shard when ingest deals `total` round-robin (conversations.split)."""
-    return [total // num_shards + (shard < total % num_shards) for shard in range(num_shards)]
-
-
-def training_conversations(kept: float, weight_mean: float, data: dict[str, Any]) -> int:
-    """How many training conversations ingest writes out of `kept` ones: the two held-out sets first, then
-    data.train_conversations, then each repeated by its source's weight (on average `weight_mean`)."""
-    available = max(kept - data["eval_conversations"] - data["selection_conversations"], 0)
-    train = min(data["train_conversations"], available) if data["train_conversations"] is not None else available
-    return round(train * weight_mean)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -265,18 +200,20 @@ class TokenEstimator:
     def from_raw(self, tokenizer: Any, regeneration: Regeneration | None) -> SampledTokens:
         samples = sample_from_raw(self.inputs, self.sample_size, self.data["seed"])
         weight_of = dict(zip([p.name for p in self.inputs], self.data.get("weights") or [], strict=False))
-        kept, weighted, weighted_tokens = 0.0, 0.0, 0.0
+        kept, groups, weighted, weighted_tokens = 0.0, 0.0, 0.0, 0.0
         copying = CopyBoost.of(self.data)
         for sample in samples:
             tokens = self.tokens(tokenizer, sample.kept, regeneration)
             per_record = sample.records / max(sample.sampled, 1)  # the input's records one sampled record stands for
             weight = float(weight_of.get(sample.name, 1.0))
+            groups += per_record * sample.group_starts
             for conversation, count in zip(sample.kept, tokens, strict=True):
                 repeats = weight * copying.factor(conversation)  # as ingest repeats it (conversations.split)
                 kept += per_record
                 weighted += repeats * per_record
                 weighted_tokens += repeats * per_record * count
-        total = training_conversations(kept, weighted / kept if kept else 0.0, self.data)
+        group_size = kept / groups if groups else 1.0  # the split orders groups, not records: any is as likely
+        total = training_conversations(kept, weighted / kept if kept else 0.0, self.data, group_size)
         counts = split_counts(total, len(self.shards))
         return SampledTokens({name: float(n) for name, n in zip(self.shards, counts, strict=True)},
                              weighted_tokens / weighted if weighted else 0.0, sum(s.sampled for s in samples))

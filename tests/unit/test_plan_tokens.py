@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import assets, plan, plan_tokenizer, plan_tokens
+from eagle3_pipeline import assets, plan, plan_samples, plan_tokenizer, plan_tokens
 from eagle3_pipeline.plan_tokenizer import TokenizerSource
 from eagle3_pipeline.raw_records import DropReport, RecordSlices, iter_raw_records, iter_records_in, read_input
 from eagle3_pipeline.runtime.target.loading import load_tokenizer
@@ -115,6 +115,29 @@ def test_the_estimate_counts_the_copies_of_conversations_that_copy_from_the_user
     estimated = sum(boosted.estimate.conversations.values())
     assert exact > sum(plain.conversations.values()) * 1.1  # the slice's copying replies: more than a few
     assert abs(estimated / exact - 1) < 0.05
+
+
+def test_a_held_out_conversation_takes_its_other_parts_out_of_the_estimated_training_set(saved_gguf_tokenizer,
+                                                                                         tmp_path):
+    """ShareGPT's parts `<id>_0`, `<id>_1`, ... of one conversation go to one side of the split: 20 held-out
+    conversations of three parts each leave 60 records out of training, not 20. A sample of the whole input sees
+    the parts and gives the exact count; numbered ids (`item_<n>` on most records) are not parts."""
+    shutil.copytree(saved_gguf_tokenizer, tmp_path / "cache" / "tokenizers")
+    records = [{"id": f"c{k}_{part}", "conversations": [{"from": "human", "value": f"Question {k}, part {part}?"},
+                                                       {"from": "gpt", "value": f"Answer {k}.{part}."}]}
+               for k in range(140) for part in range(3)]
+    inputs = [tmp_path / "parts.jsonl"]
+    inputs[0].write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    data = DATA | {"train_conversations": None, "weights": None, "eval_conversations": 10,
+                   "selection_conversations": 10}
+    whole = dataclasses.replace(estimator(inputs, tmp_path / "cache"), data=data, sample_size=len(records))
+    written = ingest.run(inputs, [tmp_path / f"shard-{name}.jsonl" for name in SHARDS], tmp_path / "eval.jsonl",
+                         tmp_path / "selection.jsonl", tmp_path / "report.json", ingest.ingest_settings(data),
+                         logging.getLogger("test"))
+    assert written["train_conversations"] == 420 - 20 * 3
+    assert sum(whole.estimate.conversations.values()) == written["train_conversations"]
+    numbered = [{"id": f"item_{n}", "messages": [{"role": "user", "content": "q"}]} for n in range(1, 50)]
+    assert plan_samples.InputSample("numbered.jsonl", 49, 49, numbered).group_starts == 49
 
 
 def test_the_same_seed_gives_the_same_estimate_and_a_job_reads_the_cached_one(package_slice, saved_gguf_tokenizer,
