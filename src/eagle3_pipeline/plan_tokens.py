@@ -89,17 +89,17 @@ class Regeneration:
         return {**conversation, "messages": messages}
 
     def fits(self, history: list[dict[str, str]], tokenizer: Any) -> bool:
-        from eagle3_pipeline.tokenization import TemplateError, render
+        """Whether the stage asks for this reply: the history as the stage renders and bounds it (its own
+        tokenize_histories; a template error or a history surely too long does not fit), plus max_new_tokens."""
+        from eagle3_pipeline.runtime.generation import Prompt, template_kwargs, tokenize_histories
+        from eagle3_pipeline.tokenization import character_bound
 
         if self.max_context_tokens is None:
             return True
-        kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking}
-        try:
-            text = render(tokenizer, history, True, **kwargs)
-        except TemplateError:
-            return False
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (self.max_new_tokens or 0) <= \
-            self.max_context_tokens
+        bound = character_bound(tokenizer, self.max_context_tokens)
+        [prompt] = tokenize_histories(tokenizer, [history], template_kwargs(self.thinking), bound)
+        return isinstance(prompt, Prompt) and \
+            len(prompt.token_ids) + (self.max_new_tokens or 0) <= self.max_context_tokens
 
     def cut(self, reply: dict[str, str], tokenizer: Any) -> dict[str, str]:
         ids = tokenizer(reply["content"], add_special_tokens=False)["input_ids"]

@@ -73,7 +73,12 @@ class Settings:
         return defining
 
     def template_kwargs(self) -> dict[str, Any]:
-        return {} if self.thinking is None else {"enable_thinking": self.thinking}
+        return template_kwargs(self.thinking)
+
+
+def template_kwargs(thinking: bool | None) -> dict[str, Any]:
+    """What the chat template is given beside the history: `regenerate.thinking` (None: the template's default)."""
+    return {} if thinking is None else {"enable_thinking": thinking}
 
 
 @dataclass
