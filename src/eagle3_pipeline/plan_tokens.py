@@ -68,7 +68,7 @@ class Regeneration:
     max_context_tokens: int | None = None  # null in the config: data.max_seq_len
     thinking: bool | None = None  # the chat template's enable_thinking (null: the template's default)
 
-    def stand_in(self, conversation: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    def stand_in(self, conversation: dict[str, Any], tokenizer: Any, bound: int | None = None) -> dict[str, Any]:
         """The conversation cut as the regenerate stage cuts a sample: its first `turns` replies (replies in a row
         count as one), each cut at `max_new_tokens` tokens, ending before a turn whose history and reply would not
         fit `max_context_tokens`. The data's replies stand in for the target's, which do not exist yet."""
@@ -80,7 +80,7 @@ class Regeneration:
             reply = source[i] if i < len(source) else None  # a trailing user turn: no stand-in for its reply
             while i < len(source) and source[i]["role"] == "assistant":
                 i += 1
-            if reply is None or not messages or not self.fits(messages, tokenizer):
+            if reply is None or not messages or not self.fits(messages, tokenizer, bound):
                 break
             messages.append(self.cut(reply, tokenizer))
             replies += 1
@@ -88,18 +88,24 @@ class Regeneration:
             messages.pop()  # the stage ends a sample with its last reply
         return {**conversation, "messages": messages}
 
-    def fits(self, history: list[dict[str, str]], tokenizer: Any) -> bool:
+    def fits(self, history: list[dict[str, str]], tokenizer: Any, bound: int | None = None) -> bool:
         """Whether the stage asks for this reply: the history as the stage renders and bounds it (its own
-        tokenize_histories; a template error or a history surely too long does not fit), plus max_new_tokens."""
+        tokenize_histories; a template error or a history over `bound` characters does not fit), plus
+        max_new_tokens."""
         from eagle3_pipeline.runtime.generation import Prompt, template_kwargs, tokenize_histories
-        from eagle3_pipeline.tokenization import character_bound
 
         if self.max_context_tokens is None:
             return True
-        bound = character_bound(tokenizer, self.max_context_tokens)
+        bound = bound or self.character_bound(tokenizer)
         [prompt] = tokenize_histories(tokenizer, [history], template_kwargs(self.thinking), bound)
         return isinstance(prompt, Prompt) and \
             len(prompt.token_ids) + (self.max_new_tokens or 0) <= self.max_context_tokens
+
+    def character_bound(self, tokenizer: Any) -> int | None:
+        """The stage's bound on a history's characters (tokenization.character_bound), None without a limit."""
+        from eagle3_pipeline.tokenization import character_bound
+
+        return None if self.max_context_tokens is None else character_bound(tokenizer, self.max_context_tokens)
 
     def cut(self, reply: dict[str, str], tokenizer: Any) -> dict[str, str]:
         ids = tokenizer(reply["content"], add_special_tokens=False)["input_ids"]
@@ -109,7 +115,8 @@ class Regeneration:
 
     def tokens(self, tokenizer: Any, conversations: list[dict[str, Any]], data: dict[str, Any]) -> list[float]:
         """The tokens each ingested conversation becomes in the regenerated shard."""
-        stand_ins = sample_tokens(tokenizer, [self.stand_in(c, tokenizer) for c in conversations], data)
+        bound = self.character_bound(tokenizer)  # once: it reads the whole vocabulary (~40 ms)
+        stand_ins = sample_tokens(tokenizer, [self.stand_in(c, tokenizer, bound) for c in conversations], data)
         originals = sample_tokens(tokenizer, conversations, data) if self.keep_original else [0] * len(stand_ins)
         return [original + self.samples * sample for original, sample in zip(originals, stand_ins, strict=True)]
 
