@@ -68,9 +68,10 @@ class StagePlan:
 
     @property
     def source(self) -> str:
-        if self.estimate is None:
+        estimate = self.estimate
+        if estimate is None:
             return "exact"
-        return self.estimate if not any(s.exact for s in self.shards) else f"exact+{self.estimate}"
+        return estimate if not any(s.exact for s in self.shards) else f"exact+{estimate}"
 
 
 def hidden_bytes_per_token(hidden_size: int, compression: float | None,

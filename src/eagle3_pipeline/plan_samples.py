@@ -78,7 +78,7 @@ def split_counts(total: int, num_shards: int) -> list[int]:
     return [total // num_shards + (shard < total % num_shards) for shard in range(num_shards)]
 
 
-def training_conversations(kept: float, weight_mean: float, data: dict[str, Any], group_size: float = 1.0) -> int:
+def training_conversations(kept: float, weight_mean: float, data: dict[str, Any], group_size: float) -> int:
     """How many training conversations ingest writes out of `kept` ones: the two held-out sets first (each held-out
     conversation takes its group, `group_size` records on average, out of training), then data.train_conversations,
     then each repeated by its source's weight (on average `weight_mean`)."""
