@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 from eagle3_pipeline.formats import journal
+from tests.conftest import REPO
 
 
 def test_appended_records_read_back_with_the_bytes_they_take(tmp_path):
@@ -25,3 +30,27 @@ def test_reading_stops_at_a_torn_or_unterminated_line(tmp_path):
         assert journal.read_intact(path) == ([{"a": 1}, {"b": 2}], len(whole))
     path.write_bytes(b"")
     assert journal.read_intact(path) == ([], 0)
+
+
+def test_a_stamp_read_while_another_process_rewrites_it_is_always_whole(tmp_path):
+    # the evaluation's workers read the progress directory's stamp while the job's process may write it; a reader
+    # that once saw it empty (written in place) took the directory for another drafter's and deleted it
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from eagle3_pipeline.formats import journal\n"
+        "directory = Path(sys.argv[1])\n"
+        "journal.write_stamp(directory, 'a' * 24)\n"
+        "print('ready', flush=True)\n"
+        "for i in range(3000):\n"
+        "    journal.write_stamp(directory, 'ab'[i % 2] * 24)\n"), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO / "src")})
+    assert writer.stdout.readline().strip() == "ready"
+    seen = set()
+    deadline = time.monotonic() + 30
+    while writer.poll() is None and time.monotonic() < deadline:
+        seen.add(journal.read_stamp(tmp_path))
+    writer.kill()
+    assert writer.wait() == 0, "the writer did not finish its rewrites"
+    assert seen <= {"a" * 24, "b" * 24} and seen, f"a reader saw a partial stamp: {seen - {'a' * 24, 'b' * 24}}"
+    assert [p.name for p in tmp_path.iterdir()] == [journal.STAMP_FILE]  # no partial file left beside it

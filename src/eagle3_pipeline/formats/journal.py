@@ -18,7 +18,11 @@ STAMP_FILE = "fingerprint"  # a progress directory's: what its records were deco
 
 
 def write_stamp(directory: Path, fingerprint: str) -> None:
-    (Path(directory) / STAMP_FILE).write_text(fingerprint)
+    """Whole or not at all: written beside and renamed into place, so a reader never sees it half-written."""
+    stamp = Path(directory) / STAMP_FILE
+    partial = stamp.with_name(f"{STAMP_FILE}.{os.getpid()}.partial")
+    partial.write_text(fingerprint)
+    os.replace(partial, stamp)
 
 
 def read_stamp(directory: Path) -> str | None:

@@ -70,13 +70,21 @@ class PromptProgress:
     """`<output>.progress/`: a fingerprint file and one append-only JSONL file per writing process (workers
     never share a file, so lines cannot interleave). A torn last line (a kill mid-write) is ignored."""
 
-    def __init__(self, directory: Path, fingerprint: str, log: Any):
+    def __init__(self, directory: Path):
         self.directory = Path(directory)
-        if self.directory.exists() and journal.read_stamp(self.directory) != fingerprint:
-            log.warning("%s: written for another drafter, target or settings; starting over", self.directory)
-            shutil.rmtree(self.directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        journal.write_stamp(self.directory, fingerprint)
+
+    @classmethod
+    def started(cls, directory: Path, fingerprint: str, log: Any) -> PromptProgress:
+        """The directory for this fingerprint, emptied if another drafter, target or settings wrote it. Only the
+        job's own process calls this, before any worker starts: workers open it as it is (one worker's check,
+        reading the stamp while another rewrote it, once emptied it under the others' feet)."""
+        progress = cls(directory)
+        if progress.directory.exists() and journal.read_stamp(progress.directory) != fingerprint:
+            log.warning("%s: written for another drafter, target or settings; starting over", directory)
+            shutil.rmtree(progress.directory)
+        progress.directory.mkdir(parents=True, exist_ok=True)
+        journal.write_stamp(progress.directory, fingerprint)
+        return progress
 
     def finished(self, prompts: list[Prompt]) -> dict[str, dict[str, Trace]]:
         """Traces by prompt id, for prompts whose text is unchanged."""
@@ -109,7 +117,7 @@ def worker_main(job_path: Path) -> None:
     torch.set_num_threads(job["threads"])
     log = logs.setup(job["log"], name=f"evaluate.worker{job['index']}", append=True)
     prompts = [Prompt(**p) for p in job["prompts"]]
-    progress = PromptProgress(Path(job["progress_dir"]), job["fingerprint"], log)
+    progress = PromptProgress(Path(job["progress_dir"]))  # started by the job's process
     _decode(Path(job["target_dir"]), Path(job["serving_dir"]), prompts, Settings.from_json(job["settings"]),
             progress, log, claimer(Path(job["claims"])))
 
@@ -166,7 +174,7 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
     linearly; each worker times every method on its own prompts under the same load, so ratios stay fair.
     Prompts finished by an earlier, killed run (in `progress_dir`) are not decoded again."""
     stamp = fingerprint(target_dir, serving_dir, settings)
-    progress = PromptProgress(progress_dir, stamp, log)
+    progress = PromptProgress.started(progress_dir, stamp, log)
     already = progress.finished(prompts)
     todo = [p for p in prompts if p.prompt_id not in already]
     if len(todo) < len(prompts):
@@ -177,7 +185,7 @@ def run_job(target_dir: Path, serving_dir: Path, prompts: list[Prompt], settings
         _decode(target_dir, serving_dir, todo, settings, progress, log)
     elif workers > 1:
         job = {"target_dir": str(target_dir), "serving_dir": str(serving_dir), "settings": asdict(settings),
-               "log": log_path, "progress_dir": str(progress_dir), "fingerprint": stamp}
+               "log": log_path, "progress_dir": str(progress_dir)}
         _run_workers(job, todo, workers)
     finished = progress.finished(prompts)
     missing = [p.prompt_id for p in prompts if p.prompt_id not in finished]
