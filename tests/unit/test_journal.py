@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 from eagle3_pipeline.formats import journal
 from tests.conftest import REPO
@@ -47,10 +46,10 @@ def test_a_stamp_read_while_another_process_rewrites_it_is_always_whole(tmp_path
         stdout=subprocess.PIPE, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO / "src")})
     assert writer.stdout.readline().strip() == "ready"
     seen = set()
-    deadline = time.monotonic() + 30
-    while writer.poll() is None and time.monotonic() < deadline:
+    while True:  # until the writer has made its (finite) rewrites, however long that takes here
         seen.add(journal.read_stamp(tmp_path))
-    writer.kill()
-    assert writer.wait() == 0, "the writer did not finish its rewrites"
+        if writer.poll() is not None:
+            break
+    assert writer.wait() == 0, "the writer failed"
     assert seen <= {"a" * 24, "b" * 24} and seen, f"a reader saw a partial stamp: {seen - {'a' * 24, 'b' * 24}}"
     assert [p.name for p in tmp_path.iterdir()] == [journal.STAMP_FILE]  # no partial file left beside it
