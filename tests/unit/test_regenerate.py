@@ -331,6 +331,35 @@ def test_server_engine_retries_then_answers_and_skips_a_rejected_conversation(tm
     assert len(server.requests) == 8
 
 
+class RoundRecorder:
+    """The server engine, recording how many prompts each round sent."""
+
+    def __init__(self, engine):
+        self.engine, self.rounds = engine, []
+
+    def reply(self, prompts, seeds):
+        self.rounds.append(len(prompts))
+        return self.engine.reply(prompts, seeds)
+
+
+def test_a_conversation_frees_its_slot_in_the_round_of_its_last_reply(tmp_path):
+    """Two slots, conversations of 2, 1 and 2 replies: b ends with round 1's reply, so c starts in round 2 beside
+    a's second turn (3 rounds, every one full but the last) and b's record is in the journal after round 1."""
+    server = FlakyChatServer()
+    try:
+        chosen = regeneration_settings(engine="openai", url=server.url, concurrency=2)
+        engine = RoundRecorder(OpenAIEngine(chosen, LOG))
+        progress = tmp_path / "progress.jsonl"
+        kept, counts = regenerate.regenerate_conversations(CHATS, engine, chosen, word_prompts, progress, "fp", LOG,
+                                                           pool_size=2)
+    finally:
+        server.close()
+    assert engine.rounds == [2, 2, 1] and counts["replies"] == 5
+    assert [c["id"] for c in kept] == ["a", "b", "c"]
+    journal_ids = [json.loads(line).get("index") for line in progress.read_text().splitlines()[1:]]
+    assert journal_ids == [1, 0, 2]  # b first: finished in round 1
+
+
 def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_path):
     server = FlakyChatServer(failures=1000)
     try:

@@ -85,6 +85,12 @@ class _InProgress:
         self.done = True
         return None
 
+    def has_turn_left(self) -> bool:
+        """Whether next_history would ask for another reply (the cursor stays where it is)."""
+        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
+            return False
+        return any(message["role"] != "assistant" for message in self.source["messages"][self.cursor:])
+
     def end_before_last_turn(self) -> None:  # without the user turn just asked, nor anything after it
         self.messages.pop()
         self.done = True
@@ -163,7 +169,7 @@ def _in_input_order(conversations: list[dict[str, Any]], work: list[tuple[int, i
 
 def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prepare: Prepare, counts: Counter,
              log: logging.Logger) -> int:
-    """One round: the next reply of every active conversation (those with nothing left are marked done)."""
+    """One round: the next reply of every active conversation; each is marked done with its last reply."""
     candidates = [(state, history) for state in active if (history := state.next_history()) is not None]
     asking, prompts = [], []
     for (state, _), prompt in zip(candidates, prepare([history for _, history in candidates]), strict=True):
@@ -204,6 +210,8 @@ def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prep
         counts["replies_repetitive"] += repetitive
         counts["replies_cut_at_max_new_tokens"] += not reply.finished
         state.messages.append({"role": "assistant", "content": reply.text})
+        # done in the round of its last reply: its slot refills at once and the progress line counts it now
+        state.done = not state.has_turn_left()
     return generated
 
 
