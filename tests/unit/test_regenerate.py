@@ -343,8 +343,8 @@ class RoundRecorder:
 
 
 def test_a_conversation_frees_its_slot_in_the_round_of_its_last_reply(tmp_path):
-    """Two slots, conversations of 2, 1 and 2 replies: b ends with the first round's reply, so c starts in the second
-    beside a's second turn (3 rounds, every one full but the last) and b's record is the journal's first."""
+    """Two slots, conversations of 2, 1 and 2 replies: b ends with its one reply, so c starts in the next engine
+    call beside a's second turn (3 rounds, every one full but the last) and b's record is the journal's first."""
     server = FlakyChatServer()
     try:
         chosen = regeneration_settings(engine="openai", url=server.url, concurrency=2)
@@ -357,7 +357,7 @@ def test_a_conversation_frees_its_slot_in_the_round_of_its_last_reply(tmp_path):
     assert engine.rounds == [2, 2, 1] and counts["replies"] == 5
     assert [c["id"] for c in kept] == ["a", "b", "c"]
     journal_ids = [json.loads(line).get("index") for line in progress.read_text().splitlines()[1:]]
-    assert journal_ids == [1, 0, 2]  # b first: finished with the first round
+    assert journal_ids == [1, 0, 2]  # b first: finished with its one reply
 
 
 def test_server_engine_gives_up_with_a_clear_error_and_keeps_finished_work(tmp_path):
