@@ -20,6 +20,7 @@ from eagle3_pipeline import assets, copying
 from eagle3_pipeline.formats import conversation_shards
 from eagle3_pipeline.formats.target_dir import read_identity
 from eagle3_pipeline.runtime.generation import tokenize_histories
+from eagle3_pipeline.runtime.generation.conversation import sample_id
 from eagle3_pipeline.runtime.generation.hf import HFEngine
 from eagle3_pipeline.runtime.generation.server import OpenAIEngine
 from eagle3_pipeline.stages import regenerate
@@ -88,7 +89,7 @@ def test_samples_are_separate_conversations_each_drawn_from_its_own_seed(tmp_pat
     assert sampled(batch_size=4)[0] == kept  # the same seeds in other batches (other padding): the same replies
     other_seed = sampled(seed=1)[0]
     assert [c["id"] for c in other_seed] == [c["id"] for c in kept] and other_seed != kept
-    assert regenerate.sample_id("x#2", 3) == "x#2#s3"  # a data.weights copy's samples keep both marks
+    assert sample_id("x#2", 3) == "x#2#s3"  # a data.weights copy's samples keep both marks
 
 
 def test_static_caches_and_padded_batches_give_the_dynamic_caches_replies(hf_engine):

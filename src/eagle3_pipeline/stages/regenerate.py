@@ -33,7 +33,6 @@ import json
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,58 +50,12 @@ from eagle3_pipeline.runtime.generation import (  # noqa: F401 - the engines' er
     open_engine,
     tokenize_histories,
 )
+from eagle3_pipeline.runtime.generation.conversation import InProgress
 from eagle3_pipeline.settings import from_section
 from eagle3_pipeline.tokenization import TemplateError, character_bound
 
 # a round's histories as prompts: generation.tokenize_histories with the run's tokenizer and limits
 Prepare = Callable[[list[list[dict[str, str]]]], list[Prompt | TemplateError | None]]
-
-
-@dataclass
-class _InProgress:
-    index: int  # into the (conversation, sample) list: what the progress journal records
-    source: dict[str, Any]
-    sample: int = 1
-    turns: int | None = None  # replies to regenerate; None = every turn
-    beside_original: bool = False  # the data's conversation is kept too: every sample gets a suffix
-    messages: list[dict[str, str]] = field(default_factory=list)
-    cursor: int = 0
-    dropped: str | None = None
-    done: bool = False
-
-    def next_history(self) -> list[dict[str, str]] | None:
-        """Copy kept turns up to the next point where the assistant speaks; None when nothing is left."""
-        original = self.source["messages"]
-        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
-            self.cursor = len(original)  # regenerate.turns replies: the sample ends here
-        while self.cursor < len(original) and original[self.cursor]["role"] != "assistant":
-            self.messages.append(dict(original[self.cursor]))
-            self.cursor += 1
-        while self.cursor < len(original) and original[self.cursor]["role"] == "assistant":
-            self.cursor += 1  # skip the original reply (replies in a row: one regenerated reply stands for them)
-        if self.messages and self.messages[-1]["role"] != "assistant":  # a trailing user turn gets a reply too
-            return self.messages
-        self.done = True
-        return None
-
-    def has_turn_left(self) -> bool:
-        """Whether next_history would ask for another reply (the cursor stays where it is)."""
-        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
-            return False
-        return any(message["role"] != "assistant" for message in self.source["messages"][self.cursor:])
-
-    def end_before_last_turn(self) -> None:  # without the user turn just asked, nor anything after it
-        self.messages.pop()
-        self.done = True
-
-    @property
-    def id(self) -> str:
-        return sample_id(self.source["id"], self.sample, self.beside_original)
-
-
-def sample_id(conversation_id: str, sample: int, beside_original: bool = False) -> str:
-    """`<id>#s<k>`, except sample 1 alone, which keeps `<id>` (data.weights' copies are `<id>#<n>`)."""
-    return conversation_id if sample == 1 and not beside_original else f"{conversation_id}#s{sample}"
 
 
 def reply_seed(seed: int, conversation_id: str, sample: int, turn: int) -> int:
@@ -129,7 +82,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
     log.info("%d conversations x %d samples, %d already done (resumed), %d to regenerate", len(conversations),
              settings.samples, len(finished), len(waiting))
     progress = Progress(log, "regenerate", len(waiting))
-    active: list[_InProgress] = []
+    active: list[InProgress] = []
     with open(progress_path, "a", encoding="utf-8") as sink:
         if progress_path.stat().st_size == 0:
             journal.append(sink, [{"fingerprint": fingerprint}])
@@ -138,12 +91,12 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
                 while waiting and len(active) < pool_size:
                     index = waiting.popleft()
                     conversation, sample = work[index]
-                    active.append(_InProgress(index, conversations[conversation], sample, settings.turns,
+                    active.append(InProgress(index, conversations[conversation], sample, settings.turns,
                                               settings.keep_original))
             tokens = _advance(active, engine, settings, prepare, counts, log)
             done = [state for state in active if state.done]
             for state in done:
-                finished[state.index] = _finished_record(state)
+                finished[state.index] = state.record()
             if done:
                 journal.append(sink, ({"index": state.index, **finished[state.index]} for state in done))
             active = [state for state in active if not state.done]
@@ -167,7 +120,7 @@ def _in_input_order(conversations: list[dict[str, Any]], work: list[tuple[int, i
     return kept
 
 
-def _advance(active: list[_InProgress], engine: Engine, settings: Settings, prepare: Prepare, counts: Counter,
+def _advance(active: list[InProgress], engine: Engine, settings: Settings, prepare: Prepare, counts: Counter,
              log: logging.Logger) -> int:
     """One round: the next reply of every active conversation; each is marked done with its last reply."""
     candidates = [(state, history) for state in active if (history := state.next_history()) is not None]
@@ -223,16 +176,6 @@ def warn_if_repetitive(counts: Counter, settings: Settings, log: logging.Logger)
                     "decoding of a small model does); such data lifts training accuracy more than acceptance. "
                     "Consider regenerate.temperature > 0 or regenerate.repetition.drop: true", looping, replies,
                     100 * looping / replies, 100 * settings.repetition_threshold)
-
-
-def _finished_record(state: _InProgress) -> dict[str, Any]:
-    while state.messages and state.messages[-1]["role"] != "assistant":
-        state.messages.pop()  # a trailing user turn without a reply teaches nothing
-    if state.dropped is None and not any(m["role"] == "assistant" for m in state.messages):
-        state.dropped = "no_reply"
-    if state.dropped:
-        return {"dropped": state.dropped, "id": state.id}
-    return {"conversation": {**state.source, "id": state.id, "messages": state.messages}}
 
 
 def _load_progress(path: Path, fingerprint: str, log: logging.Logger) -> dict[int, dict[str, Any]]:

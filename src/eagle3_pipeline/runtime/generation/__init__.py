@@ -2,7 +2,8 @@
 `hf.HFEngine` (HF `generate`, batched, left padded; CPU or GPU), `vllm_local.VLLMEngine` (vLLM's offline engine in
 the job's own process: continuous batching and prefix caching on a GPU, no server to run) and
 `server.OpenAIEngine` (any OpenAI-compatible server: SGLang, vLLM, llama.cpp; bounded concurrency, retries with
-backoff and timeouts). The settings are the `regenerate` rule's (stages/regenerate.py drives the engines)."""
+backoff and timeouts). The settings are the `regenerate` rule's (stages/regenerate.py drives the engines, a pool
+of `conversation.InProgress` at a time)."""
 
 from __future__ import annotations
 
