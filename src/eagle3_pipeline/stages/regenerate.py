@@ -92,7 +92,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], engine: Engine
                     index = waiting.popleft()
                     conversation, sample = work[index]
                     active.append(InProgress(index, conversations[conversation], sample, settings.turns,
-                                              settings.keep_original))
+                                             settings.keep_original))
             tokens = _advance(active, engine, settings, prepare, counts, log)
             done = [state for state in active if state.done]
             for state in done:

@@ -25,7 +25,7 @@ class InProgress:
     def next_history(self) -> list[dict[str, str]] | None:
         """Copy kept turns up to the next point where the assistant speaks; None when nothing is left."""
         original = self.source["messages"]
-        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
+        if self.replies_used_up():
             self.cursor = len(original)  # regenerate.turns replies: the sample ends here
         while self.cursor < len(original) and original[self.cursor]["role"] != "assistant":
             self.messages.append(dict(original[self.cursor]))
@@ -39,9 +39,12 @@ class InProgress:
 
     def has_turn_left(self) -> bool:
         """Whether next_history would ask for another reply (the cursor stays where it is)."""
-        if self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns:
+        if self.replies_used_up():
             return False
         return any(message["role"] != "assistant" for message in self.source["messages"][self.cursor:])
+
+    def replies_used_up(self) -> bool:  # regenerate.turns: only the first N replies are regenerated
+        return self.turns is not None and sum(m["role"] == "assistant" for m in self.messages) >= self.turns
 
     def end_before_last_turn(self) -> None:  # without the user turn just asked, nor anything after it
         self.messages.pop()
