@@ -14,15 +14,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from eagle3_pipeline.formats.atomic import atomic_write
+
 STAMP_FILE = "fingerprint"  # a progress directory's: what its records were decoded for
 
 
 def write_stamp(directory: Path, fingerprint: str) -> None:
-    """Whole or not at all: written beside and renamed into place, so a reader never sees it half-written."""
-    stamp = Path(directory) / STAMP_FILE
-    partial = stamp.with_name(f"{STAMP_FILE}.{os.getpid()}.partial")
-    partial.write_text(fingerprint)
-    os.replace(partial, stamp)
+    """Whole or not at all (atomic_write), so a reader never sees it half-written."""
+    atomic_write(Path(directory) / STAMP_FILE, fingerprint)
 
 
 def read_stamp(directory: Path) -> str | None:
