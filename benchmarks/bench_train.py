@@ -13,6 +13,9 @@ activations:
 - ShareGPT-like lengths: the same sequence lengths (log-normal, median 600, capped at 2048) batched by the path's
   own batch schedule - what a real epoch sees. Rates count real (unpadded) tokens.
 
+Every batch starts on the host, pinned, and each step copies it to the GPU, as the training loop does with what
+its loader hands over (earlier versions of this benchmark kept the batches on the GPU).
+
 The first 25 % of every row are prompt tokens (no loss), as in the GPU example's data (75 % of its tokens are the
 assistant's): a path may skip work on them. Both paths' TTT step-0 loss on one batch is printed first: the
 objective is the same, so they must agree. MFU = model FLOPs (forward + backward of every TTT step over every
@@ -57,16 +60,20 @@ def sharegpt_like_lengths(count: int, seed: int = 0) -> np.ndarray:
 
 
 def random_batch(config, rows: list[int], width: int, device: str) -> dict[str, torch.Tensor]:
-    valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+    """A collated batch as the training loader hands it over: on the host (pinned for a GPU), with the counted
+    positions listed (`predicted`, as `collate` lists them; a path that finds them itself ignores the key)."""
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
     loss_mask = valid.clone()
     for row, length in enumerate(rows):
         valid[row, :length] = True
         loss_mask[row, round((1 - ASSISTANT_SHARE) * length): length] = True
     dtype = torch.bfloat16
-    return {"input_ids": torch.randint(0, config.vocab_size, (len(rows), width), device=device),
-            "loss_mask": loss_mask, "valid": valid,
-            "aux": torch.randn(len(rows), width, 3 * config.target_hidden_size, device=device, dtype=dtype),
-            "last": torch.randn(len(rows), width, config.hidden_size, device=device, dtype=dtype)}
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (len(rows), width)),
+             "loss_mask": loss_mask, "valid": valid,
+             "predicted": torch.stack((loss_mask & valid).nonzero(as_tuple=True)),
+             "aux": torch.randn(len(rows), width, 3 * config.target_hidden_size, dtype=dtype),
+             "last": torch.randn(len(rows), width, config.hidden_size, dtype=dtype)}
+    return {key: value.pin_memory() for key, value in batch.items()} if device == "cuda" else batch
 
 
 def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_tokens: int | None = None
@@ -77,7 +84,7 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_token
     from eagle3_pipeline.config_schema import schema_defaults
     from eagle3_pipeline.drafter import objective
     from eagle3_pipeline.drafter.attention import choose_ttt_attention
-    from eagle3_pipeline.drafter.batches import epoch_batches, padded_width
+    from eagle3_pipeline.drafter.batches import epoch_batches, padded_width, to_device
     from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
     from eagle3_pipeline.settings import from_section
     from eagle3_pipeline.training.settings import TrainSettings
@@ -101,7 +108,7 @@ def measure(shape: str, ttt_steps: int, sequences: int, device: str, batch_token
 
     def step(batch: dict[str, torch.Tensor]) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
-            total, metrics = ttt(batch)
+            total, metrics = ttt(to_device(batch, device))  # each step's copy to the GPU, as in training
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

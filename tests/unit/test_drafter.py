@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from eagle3_pipeline.config_schema import schema_defaults
 from eagle3_pipeline.drafter.attention import TTTKV, choose_ttt_attention, explicit_ttt_attention, flex_ttt_attention
-from eagle3_pipeline.drafter.batches import epoch_batches, pack_greedy, padded_width
+from eagle3_pipeline.drafter.batches import collate, epoch_batches, pack_greedy, padded_width
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
 from eagle3_pipeline.drafter.objective import Teacher, shift_left, step_metrics, ttt_forward
 from eagle3_pipeline.formats import hidden_store, zarr_io
@@ -171,6 +171,21 @@ def test_the_head_on_counted_rows_equals_the_objective_over_every_position(argma
     assert sparse_grads.keys() == dense_grads.keys() and "lm_head.weight" in sparse_grads
     for name, grad in sparse_grads.items():
         torch.testing.assert_close(grad, dense_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_collate_lists_the_counted_positions_the_objective_would_find_on_the_device():
+    torch.manual_seed(4)
+    lengths, masks = [7, 11, 4], [[0, 0, 1, 1, 0, 1, 1], [0] * 3 + [1] * 8, [1, 0, 0, 1]]
+    sequences = [{"input_ids": torch.randint(0, 100, (n,)), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                  "aux_hidden_states": torch.randn(n, 3, 32), "last_hidden_states": torch.randn(n, 32)}
+                 for n, mask in zip(lengths, masks, strict=True)]
+    batch = collate(sequences, max_seq_len=10, pad_multiple=4)  # the second row cut at 10, rows padded to 12
+    expected = [(row, t) for row, mask in enumerate(masks) for t, counted in enumerate(mask[:10]) if counted]
+    assert [tuple(pair) for pair in batch["predicted"].T.tolist()] == expected
+    model, teacher = Drafter(tiny_config()), Teacher(torch.randn(100, 32), torch.arange(0, 80, 2))
+    listed, _ = ttt_forward(model, batch, teacher, 3, 0.8)
+    found, _ = ttt_forward(model, {k: v for k, v in batch.items() if k != "predicted"}, teacher, 3, 0.8)
+    assert torch.equal(listed, found)
 
 
 def test_shift_left_pads_with_the_fill_value():

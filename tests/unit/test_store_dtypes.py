@@ -97,7 +97,7 @@ def test_training_batches_decode_fp8_on_the_device_to_the_bf16_layout(tmp_path):
         store = hidden_store.HiddenStore(tmp_path / f"{store_dtype}.zarr")
         batches[store_dtype] = to_device(collate([store.sequence(0), store.sequence(1)], 128, 16), "cpu")
     exact, compact = batches["bfloat16"], batches["float8_e4m3fn"]
-    assert exact.keys() == compact.keys() == {"input_ids", "loss_mask", "valid", "aux", "last"}
+    assert exact.keys() == compact.keys() == {"input_ids", "loss_mask", "valid", "predicted", "aux", "last"}
     for key in ("aux", "last"):
         assert compact[key].shape == exact[key].shape and compact[key].dtype == torch.bfloat16
     assert exact["aux"].shape == (2, 96, 3 * 32)

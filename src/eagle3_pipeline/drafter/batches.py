@@ -127,8 +127,10 @@ def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_mult
             ) -> dict[str, torch.Tensor]:
     """Right-padded rows, the width rounded up to `pad_multiple`: few distinct shapes, so compiled kernels and
     cached attention masks are reused across batches. aux is [B, W, 3H] (the layers in order, as SGLang
-    concatenates them). The states stay as the store keeps them (fp8 bits and their scales cross to the device
-    at half the bytes): `to_device` decodes them there."""
+    concatenates them). `predicted` [2, N] lists the (row, position) of every token the loss counts, found here on
+    the host: on the device, finding them would stop the host until the GPU had caught up, every step. The states
+    stay as the store keeps them (fp8 bits and their scales cross to the device at half the bytes): `to_device`
+    decodes them there."""
     lengths = [min(len(s["input_ids"]), max_seq_len) for s in sequences]
     width, batch = padded_width(max(lengths), pad_multiple), len(sequences)
     out = {"input_ids": torch.zeros(batch, width, dtype=torch.long),
@@ -145,6 +147,7 @@ def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_mult
         out["valid"][row, :n] = True
         for name, key in arrays.items():
             out[key][row, :n] = seq[name][:n].reshape(n, *out[key].shape[2:])
+    out["predicted"] = torch.stack((out["loss_mask"] & out["valid"]).nonzero(as_tuple=True))
     return out
 
 

@@ -99,6 +99,14 @@ def on_greedy_path(batch: dict[str, torch.Tensor], rows: torch.Tensor, predicted
     return aligned
 
 
+def predicted_positions(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, positions) of the tokens the loss counts: as `collate` listed them on the host, or found here (a
+    device sync) for a batch built otherwise."""
+    if "predicted" in batch:
+        return batch["predicted"][0], batch["predicted"][1]
+    return (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)
+
+
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,
                 loss_fn=None, attention: TTTKernel = explicit_ttt_attention, off_path_weight: float = 1.0
                 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
@@ -119,7 +127,7 @@ def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher
     device = batch["input_ids"].device
     batch_size, length = batch["input_ids"].shape
     positions = torch.arange(length, device=device).expand(batch_size, length)
-    rows, predicted = (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)  # the positions p, once
+    rows, predicted = predicted_positions(batch)  # the positions p, once
     probs, argmax_in_draft, greedy = teacher.targets(batch["last"][rows, (predicted - 1).clamp(min=0)])
     aligned = on_greedy_path(batch, rows, predicted, greedy) if off_path_weight < 1 else None
     on_path = torch.ones_like(argmax_in_draft) if aligned is not None else None  # step 0 drafts nothing
