@@ -295,11 +295,21 @@ keep_compile_cache() {  # the compile caches back in 15 MiB parts, where they fi
 
 keep_drafter() {  # single: the trained drafter's weights back in parts of 15 MiB ($OUT takes files up to 16 MiB), so a
   # later session can time it (bench_decode.py --serving) without retraining; join: cat drafter-part-* (sha256 in
-  # drafter.sha256, config.json in the bundle)
-  local weights=results/$second_name/serving/drafter/model.safetensors
-  [ "$stage" = single ] && [ -e "$weights" ] || return 0
-  in_parts "$weights" drafter
-  sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
+  # drafter.sha256, config.json in the bundle). A call that ends in training brings back the best epoch so far
+  # instead (train_state/best.safetensors in bf16, as best-part-*: the exported drafter's tensors, d2t and t2d,
+  # without its config; its step and held-out tau in the metadata)
+  local weights=results/$second_name/serving/drafter/model.safetensors best=results/$second_name/train_state/best.safetensors
+  [ "$stage" = single ] || return 0
+  if [ -e "$weights" ]; then
+    in_parts "$weights" drafter
+    sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
+  elif [ -e "$best" ]; then
+    python3 -c 'import sys, torch; from safetensors import safe_open; from safetensors.torch import save_file
+with safe_open(sys.argv[1], "pt") as f:
+    save_file({k: (t.bfloat16() if t.is_floating_point() else t) for k in f.keys() for t in [f.get_tensor(k)]},
+              sys.argv[2], metadata=f.metadata())' "$best" /tmp/e3-best-bf16.safetensors \
+      && in_parts /tmp/e3-best-bf16.safetensors best && sha256sum /tmp/e3-best-bf16.safetensors | cut -d' ' -f1 > "$out/best.sha256"
+  fi
 }
 
 gpu_tests() {  # GPU_TESTS=1: the CUDA-only test modules ($GPU_TEST_MODULES), each in a pytest process of its own (a
