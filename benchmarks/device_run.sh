@@ -297,7 +297,8 @@ keep_drafter() {  # single: the trained drafter's weights back in parts of 15 Mi
   # later session can time it (bench_decode.py --serving) without retraining; join: cat drafter-part-* (sha256 in
   # drafter.sha256, config.json in the bundle). A call that ends in training brings back the best epoch so far
   # instead (train_state/best.safetensors in bf16, as best-part-*: the exported drafter's tensors, d2t and t2d,
-  # without its config; its step and held-out tau in the metadata)
+  # without its config; its step and held-out tau in the metadata; benchmarks/serving_from_best.py makes it a
+  # serving directory for a tau pass elsewhere)
   local weights=results/$second_name/serving/drafter/model.safetensors best=results/$second_name/train_state/best.safetensors
   [ "$stage" = single ] || return 0
   if [ -e "$weights" ]; then
