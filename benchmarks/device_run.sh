@@ -296,20 +296,17 @@ keep_compile_cache() {  # the compile caches back in 15 MiB parts, where they fi
 keep_drafter() {  # single: the trained drafter's weights back in parts of 15 MiB ($OUT takes files up to 16 MiB), so a
   # later session can time it (bench_decode.py --serving) without retraining; join: cat drafter-part-* (sha256 in
   # drafter.sha256, config.json in the bundle). A call that ends in training brings back the best epoch so far
-  # instead (train_state/best.safetensors in bf16, as best-part-*: the exported drafter's tensors, d2t and t2d,
-  # without its config; its step and held-out tau in the metadata; benchmarks/serving_from_best.py makes it a
-  # serving directory for a tau pass elsewhere)
+  # instead, exported as training's export would (benchmarks/serving_from_best.py): best-part-*, best.sha256; the
+  # same script gives the joined weights their config.json elsewhere
   local weights=results/$second_name/serving/drafter/model.safetensors best=results/$second_name/train_state/best.safetensors
   [ "$stage" = single ] || return 0
-  if [ -e "$weights" ]; then
+  if [ ! -e "$weights" ] && [ -e "$best" ] && rm -rf /tmp/e3-best-serving \
+       && python3 benchmarks/serving_from_best.py "$best" "results/$second_name/target" /tmp/e3-best-serving; then
+    in_parts /tmp/e3-best-serving/model.safetensors best
+    sha256sum /tmp/e3-best-serving/model.safetensors | cut -d' ' -f1 > "$out/best.sha256"
+  elif [ -e "$weights" ]; then
     in_parts "$weights" drafter
     sha256sum "$weights" | cut -d' ' -f1 > "$out/drafter.sha256"
-  elif [ -e "$best" ]; then
-    python3 -c 'import sys, torch; from safetensors import safe_open; from safetensors.torch import save_file
-with safe_open(sys.argv[1], "pt") as f:
-    save_file({k: (t.bfloat16() if t.is_floating_point() else t) for k in f.keys() for t in [f.get_tensor(k)]},
-              sys.argv[2], metadata=f.metadata())' "$best" /tmp/e3-best-bf16.safetensors \
-      && in_parts /tmp/e3-best-bf16.safetensors best && sha256sum /tmp/e3-best-bf16.safetensors | cut -d' ' -f1 > "$out/best.sha256"
   fi
 }
 

@@ -1,6 +1,7 @@
-"""A serving directory from a training run's best epoch so far: `train_state/best.safetensors`, or the bf16 copy of
-it that `device_run.sh single` brings back (best-part-*) when a session's last call ends in training. A tau pass
-can then run on any machine (docs/guides/reruns-and-recovery.md).
+"""A serving directory from a training run's best epoch so far (`train_state/best.safetensors`), exported as the
+`export` rule exports the trained drafter, so that a tau pass can run on any machine
+(docs/guides/reruns-and-recovery.md). `device_run.sh single` runs it when a session's last call ends in training
+and brings back the weights as best-part-*; the same script gives them their config.json here:
 
     cat best-part-* > best.safetensors
     python benchmarks/serving_from_best.py best.safetensors results/<run>/target results/<run>/serving/drafter

@@ -147,8 +147,13 @@ def collate(sequences: list[dict[str, torch.Tensor]], max_seq_len: int, pad_mult
         out["valid"][row, :n] = True
         for name, key in arrays.items():
             out[key][row, :n] = seq[name][:n].reshape(n, *out[key].shape[2:])
-    out["predicted"] = torch.stack((out["loss_mask"] & out["valid"]).nonzero(as_tuple=True))
+    out["predicted"] = counted_positions(out["loss_mask"], out["valid"])
     return out
+
+
+def counted_positions(loss_mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[2, N]: the (row, position) of every token the loss counts, row-major."""
+    return torch.stack((loss_mask & valid).nonzero(as_tuple=True))
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:

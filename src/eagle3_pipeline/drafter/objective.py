@@ -15,6 +15,7 @@ import logging
 import torch
 
 from eagle3_pipeline.drafter.attention import TTTKV, TTTKernel, explicit_ttt_attention
+from eagle3_pipeline.drafter.batches import counted_positions
 from eagle3_pipeline.drafter.model import Drafter
 
 
@@ -102,9 +103,8 @@ def on_greedy_path(batch: dict[str, torch.Tensor], rows: torch.Tensor, predicted
 def predicted_positions(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, positions) of the tokens the loss counts: as `collate` listed them on the host, or found here (a
     device sync) for a batch built otherwise."""
-    if "predicted" in batch:
-        return batch["predicted"][0], batch["predicted"][1]
-    return (batch["loss_mask"] & batch["valid"]).nonzero(as_tuple=True)
+    listed = batch["predicted"] if "predicted" in batch else counted_positions(batch["loss_mask"], batch["valid"])
+    return listed[0], listed[1]
 
 
 def ttt_forward(model: Drafter, batch: dict[str, torch.Tensor], teacher: Teacher, steps: int, decay: float,
