@@ -17,31 +17,25 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from safetensors import safe_open
-from safetensors.torch import load_file
-
 from eagle3_pipeline.drafter.model import Drafter, DrafterConfig
+from eagle3_pipeline.formats import drafter_weights
 from eagle3_pipeline.runtime.extraction import default_aux_layer_ids
 from eagle3_pipeline.runtime.target.loading import load_config
 from eagle3_pipeline.stages.export import export
 
 
-def drafter_from_best(best: Path, target_dir: Path, aux_layer_ids: list[int] | None
-                      ) -> tuple[Drafter, dict[str, str]]:
-    weights = load_file(str(best))
-    with safe_open(str(best), "pt") as handle:
-        metadata = handle.metadata() or {}
+def drafter_from_best(best: Path, target_dir: Path, aux_layer_ids: list[int] | None) -> Drafter:
+    weights = drafter_weights.read_weights(best)
     target = load_config(target_dir)
     layers = aux_layer_ids or default_aux_layer_ids(target.num_hidden_layers)
     config = replace(DrafterConfig.from_target(target, len(weights["d2t"]), layers),
                      intermediate_size=weights["midlayer.mlp.up_proj.weight"].shape[0])  # any MLP width
     model = Drafter(config)
-    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in weights.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)  # bf16 copies cast to the fp32 parameters
     if unexpected or any(not key.startswith("embed_tokens.") for key in missing):
         raise SystemExit(f"{best}: does not fit the drafter built from {target_dir}: missing {missing}, "
                          f"unexpected {unexpected}")
-    return model, metadata
+    return model
 
 
 def main() -> None:
@@ -52,9 +46,9 @@ def main() -> None:
     parser.add_argument("--aux-layer-ids", type=int, nargs=3, help="the run's extract.aux_layer_ids, if it set them")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
-    model, metadata = drafter_from_best(args.best, args.target, args.aux_layer_ids)
-    export(model, args.out, args.dtype)
-    print(f"{args.out}: the weights of step {metadata.get('step', '?')} (held-out tau {metadata.get('tau', '?')})")
+    recorded = drafter_weights.validate(args.best, metadata_keys=())  # exported parts, joined, record no step
+    export(drafter_from_best(args.best, args.target, args.aux_layer_ids), args.out, args.dtype)
+    print(f"{args.out}: the weights of step {recorded.get('step', '?')} (held-out tau {recorded.get('tau', '?')})")
 
 
 if __name__ == "__main__":
